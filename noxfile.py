@@ -1,0 +1,64 @@
+"""Sessions: cpu (all tests runnable without a GPU; Triton kernels through its interpreter), compile_ptx
+(every Triton kernel variant compiled for sm_80 and sm_90 without a GPU), gpu (the full suite on a CUDA
+machine, offline, with that machine's torch and Triton), report (every backend on every case, one table).
+
+MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
+"""
+
+import os
+import sys
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["cpu", "compile_ptx"]
+
+TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
+PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit")
+TEST_DIRS = [f"packages/{p}/tests" for p in PACKAGES]
+
+
+def install_ours(session, *packages):
+    """Our packages without their dependencies (installed explicitly), built with no network."""
+    session.install("--no-build-isolation", "--no-deps", *[f"packages/{p}" for p in packages])
+
+
+@nox.session
+def cpu(session):
+    session.install(TORCH, "setuptools>=64", "pytest", "tabulate")
+    # 1. The reference-only install: msda-core + msda-reference, no Triton, gives CPU inference.
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "triton", "msda-triton", "msda-testkit")
+    install_ours(session, "msda-core", "msda-reference")
+    session.run("python", "-c", "import importlib.util as u, sys; "
+                "sys.exit('triton must be absent here' if u.find_spec('triton') else 0)")
+    session.run("python", "examples/quickstart.py")
+    # 2. Everything, the Triton kernels running in Triton's CPU interpreter.
+    session.install("triton")
+    install_ours(session, "msda-triton", "msda-testkit")
+    session.run("pytest", "-q", *TEST_DIRS, *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def compile_ptx(session):
+    session.install("triton", "setuptools>=64")
+    install_ours(session, "msda-triton")
+    session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session):
+    """The python running nox, with that machine's own torch and Triton (no package registry needed); ours go to a private
+    folder on PYTHONPATH, so nothing is installed into that environment."""
+    site = os.path.join(session.create_tmp(), "site")
+    session.run(sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--upgrade",
+                "--target", site, *[f"packages/{p}" for p in PACKAGES], external=True)
+    path = os.pathsep.join([site] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    session.run(sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_DIRS, *session.posargs,
+                env={"TRITON_INTERPRET": "0", "PYTHONPATH": path}, external=True)
+
+
+@nox.session
+def report(session):
+    session.install(TORCH, "setuptools>=64", "tabulate", "triton")
+    install_ours(session, *PACKAGES)
+    session.run("python", "-m", "msda_testkit.report", *session.posargs)

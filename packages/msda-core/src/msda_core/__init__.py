@@ -1,0 +1,32 @@
+"""msda-core: the ``torch.ops.msda.deform_attn`` op, its input validation and its backend registry.
+
+Importing this package registers the op. Backends come from other packages (msda-reference,
+msda-triton) through the ``msda.backends`` entry points.
+"""
+
+from .op import deform_attn
+from .registry import (
+    Backend,
+    BackendUnavailableError,
+    Inputs,
+    backends,
+    load_errors,
+    register,
+    requested,
+    resolve,
+    unregister,
+    use_backend,
+)
+
+__version__ = "0.1.0"
+
+
+def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum: str = "auto") -> str:
+    """The name of the backend a call with these tensors would run (raises if none can)."""
+    return resolve(requested(backend), Inputs.of(value, sampling_locations, grad_accum)).name
+
+
+__all__ = [
+    "Backend", "BackendUnavailableError", "Inputs", "backends", "deform_attn", "load_errors", "register",
+    "requested", "resolve", "resolve_backend", "unregister", "use_backend",
+]

@@ -1,0 +1,122 @@
+"""Input validation for msda.deform_attn: the one place every check lives.
+
+Checks run before any backend touches memory. Shape, dtype and device checks need only metadata, so
+they also run inside the fake kernels; checks of the *values* of ``spatial_shapes`` and
+``level_start_index`` need real tensors and are skipped when tracing with fake or meta tensors, and while
+a CUDA graph is being captured (reading values would synchronize, which capture forbids; the eager calls
+that must precede a capture have run them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+GRAD_ACCUM_MODES = ("auto", "native", "fp32")
+
+
+def _shape_error(arg: str, expected: str, actual: torch.Tensor) -> ValueError:
+    return ValueError(f"{arg}: expected shape {expected}, got {tuple(actual.shape)}")
+
+
+def _dims(names: str, sizes: tuple) -> str:
+    """Render '(B, Q, M) = (2, 5, 8)' so a message shows both the meaning and the numbers."""
+    return f"({names}) = {tuple(sizes)}"
+
+
+def _can_read_values(t: torch.Tensor) -> bool:
+    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Raise ValueError/TypeError naming the first malformed argument; return None when all is well."""
+    tensors = {
+        "value": value,
+        "spatial_shapes": spatial_shapes,
+        "sampling_locations": sampling_locations,
+        "attention_weights": attention_weights,
+    }
+    if level_start_index is not None:
+        tensors["level_start_index"] = level_start_index
+    if value.dim() != 4:
+        raise _shape_error("value", "(B, S, M, D) with 4 dims", value)
+    if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2:
+        raise _shape_error("spatial_shapes", "(L, 2)", spatial_shapes)
+    B, S, M, D = value.shape
+    L = spatial_shapes.shape[0]
+    if L == 0:
+        raise _shape_error("spatial_shapes", "(L, 2) with L >= 1", spatial_shapes)
+    if sampling_locations.dim() != 6:
+        raise _shape_error("sampling_locations", "(B, Q, M, L, P, 2) with 6 dims", sampling_locations)
+    Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
+    expected_loc = (B, Q, M, L, P, 2)
+    if tuple(sampling_locations.shape) != expected_loc:
+        raise _shape_error("sampling_locations", _dims("B, Q, M, L, P, 2", expected_loc), sampling_locations)
+    expected_w = (B, Q, M, L, P)
+    if tuple(attention_weights.shape) != expected_w:
+        raise _shape_error("attention_weights", _dims("B, Q, M, L, P", expected_w), attention_weights)
+    if level_start_index is not None and tuple(level_start_index.shape) != (L,):
+        raise _shape_error("level_start_index", _dims("L,", (L,)), level_start_index)
+
+    for arg in ("value", "sampling_locations", "attention_weights"):
+        if tensors[arg].dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{arg}: expected a floating dtype in {FLOAT_DTYPES}, got {tensors[arg].dtype}")
+    for arg in ("spatial_shapes", "level_start_index"):
+        if arg in tensors and tensors[arg].dtype not in INDEX_DTYPES:
+            raise TypeError(f"{arg}: expected dtype torch.int64 or torch.int32, got {tensors[arg].dtype}")
+    if attention_weights.dtype != sampling_locations.dtype:
+        raise TypeError(
+            f"attention_weights: expected the dtype of sampling_locations ({sampling_locations.dtype}), "
+            f"got {attention_weights.dtype}"
+        )
+    mixed_ok = value.dtype in HALF_DTYPES and sampling_locations.dtype == torch.float32
+    if sampling_locations.dtype != value.dtype and not mixed_ok:
+        raise TypeError(
+            f"sampling_locations: expected the dtype of value ({value.dtype})"
+            + (" or torch.float32" if value.dtype in HALF_DTYPES else "")
+            + f", got {sampling_locations.dtype}"
+        )
+
+    for arg, t in tensors.items():
+        if t.device != value.device:
+            raise ValueError(f"{arg}: expected device {value.device} (the device of value), got {t.device}")
+
+    if all(_can_read_values(t) for t in tensors.values()):
+        _check_level_values(S, spatial_shapes, level_start_index)
+
+
+def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> None:
+    """The level table must describe value's S rows exactly, or a kernel would read past them."""
+    shapes = spatial_shapes.tolist()
+    for l, (h, w) in enumerate(shapes):
+        if h <= 0 or w <= 0:
+            raise ValueError(f"spatial_shapes: expected positive (H, W) for every level, got {(h, w)} at level {l}")
+    starts = level_starts(shapes)
+    total = starts[-1] + shapes[-1][0] * shapes[-1][1]
+    if total != S:
+        raise ValueError(
+            f"spatial_shapes: expected sum(H_l * W_l) to equal S = value.shape[1] = {S}, got {total} from {shapes}"
+        )
+    if level_start_index is not None and level_start_index.tolist() != starts:
+        raise ValueError(
+            f"level_start_index: expected the exclusive cumulative sum of H_l * W_l, {starts}, "
+            f"got {level_start_index.tolist()}"
+        )
+
+
+def level_starts(shapes: list) -> list:
+    """Exclusive cumulative sum of H_l * W_l: where each level begins along S."""
+    starts, offset = [], 0
+    for h, w in shapes:
+        starts.append(offset)
+        offset += h * w
+    return starts
+
+
+def check_grad_accum(grad_accum: str) -> None:
+    if grad_accum not in GRAD_ACCUM_MODES:
+        raise ValueError(f"grad_accum: expected one of {GRAD_ACCUM_MODES}, got {grad_accum!r}")

@@ -1,0 +1,19 @@
+"""Valid tiny inputs built by hand, so core's tests need no other msda package."""
+
+import torch
+
+
+def tiny_inputs(dtype=torch.float64, B=1, Q=2, M=2, D=3, levels=((6, 4), (3, 2)), P=2):
+    g = torch.Generator().manual_seed(0)
+    L, S = len(levels), sum(h * w for h, w in levels)
+    starts = [0]
+    for h, w in levels[:-1]:
+        starts.append(starts[-1] + h * w)
+    return {
+        "value": torch.randn(B, S, M, D, generator=g, dtype=torch.float64).to(dtype),
+        "spatial_shapes": torch.tensor(levels, dtype=torch.int64),
+        "level_start_index": torch.tensor(starts, dtype=torch.int64),
+        "sampling_locations": torch.rand(B, Q, M, L, P, 2, generator=g, dtype=torch.float64).to(dtype),
+        "attention_weights": torch.rand(B, Q, M, L, P, generator=g, dtype=torch.float64).to(dtype),
+    }
+

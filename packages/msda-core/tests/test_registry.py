@@ -1,0 +1,140 @@
+"""Backend selection: per call, scoped, by environment variable, and auto; errors that list every backend."""
+
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+from core_inputs import tiny_inputs
+
+import msda_core
+from msda_core import BackendUnavailableError, registry
+
+
+def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0):
+    """A backend whose output tells which backend ran: every element equals ``scale``."""
+    def forward(value, shapes, starts, loc, weights):
+        B, Q = loc.shape[:2]
+        return value.new_full((B, Q, value.shape[2] * value.shape[3]), scale)
+
+    def backward(grad, value, shapes, starts, loc, weights, grad_accum):
+        return (torch.full_like(value, scale), torch.full_like(loc, scale), torch.full_like(weights, scale))
+
+    kwargs = {"limits": limits} if limits else {}
+    return msda_core.Backend(name, forward, backward, devices=frozenset({"cpu"}), dtypes=frozenset(dtypes),
+                             auto_devices=frozenset(auto_devices), priority=priority, **kwargs)
+
+
+@pytest.fixture
+def toys(monkeypatch):
+    """A registry holding only toy backends, with one entry point that fails to import."""
+    monkeypatch.setattr(registry, "_backends", {})
+    monkeypatch.setattr(registry, "_load_errors", {})
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.setattr(registry, "_scopes", [])
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    broken = EntryPoint("broken", "msda_no_such_module_for_tests:BACKEND", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [broken])
+    for toy in (_toy("slow", priority=1, scale=1.0), _toy("fast", priority=5, scale=2.0),
+                _toy("manual", priority=9, auto_devices=(), scale=3.0),
+                _toy("fp32_only", priority=20, dtypes=(torch.float32,), scale=4.0)):
+        msda_core.register(toy)
+
+
+def _ran(**kwargs):
+    return torch.ops.msda.deform_attn(**tiny_inputs(), **kwargs).flatten()[0].item()
+
+
+def test_auto_takes_the_highest_priority_backend_that_supports_the_inputs(toys):
+    # fp32_only (20) cannot take float64, manual (9) is never chosen by auto, fast (5) wins over slow (1)
+    assert _ran() == 2.0
+    assert msda_core.resolve_backend(tiny_inputs()["value"], tiny_inputs()["sampling_locations"]) == "fast"
+
+
+def test_per_call_scope_and_environment_precedence(toys, monkeypatch):
+    monkeypatch.setenv("MSDA_BACKEND", "slow")
+    assert _ran() == 1.0
+    with msda_core.use_backend("manual"):
+        assert _ran() == 3.0  # the scope beats the environment
+        assert _ran(backend="fast") == 2.0  # the call beats the scope
+        with msda_core.use_backend("slow"):
+            assert _ran() == 1.0
+        assert _ran() == 3.0
+    monkeypatch.setenv("MSDA_BACKEND", "auto")
+    assert _ran() == 2.0
+
+
+def test_unsupported_request_lists_every_backend_and_why(toys):
+    with pytest.raises(BackendUnavailableError) as info:
+        _ran(backend="fp32_only")
+    message = str(info.value)
+    assert "'fp32_only' cannot run these inputs" in message
+    assert "dtype torch.float64 not supported" in message
+    for name in ("slow", "fast", "manual"):
+        assert f"  {name}: supports these inputs" in message
+    assert "broken: failed to import: ModuleNotFoundError" in message
+
+
+def test_unknown_request_names_the_known_backends(toys):
+    with pytest.raises(BackendUnavailableError, match=r"expected 'auto' or one of \['broken', 'fast', 'fp32_only', "
+                                                      r"'manual', 'slow'\], got 'nope'"):
+        _ran(backend="nope")
+
+
+def test_backend_that_failed_to_import_raises_its_error_when_asked_by_name(toys):
+    with pytest.raises(BackendUnavailableError, match="'broken' failed to import") as info:
+        _ran(backend="broken")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    assert _ran() == 2.0  # and auto skips it quietly
+
+
+def test_auto_with_no_backend_lists_all_reasons(toys):
+    inp = tiny_inputs()
+    inp = {k: (v.half() if v.is_floating_point() else v) for k, v in inp.items()}
+    with pytest.raises(BackendUnavailableError) as info:
+        torch.ops.msda.deform_attn(**inp)
+    message = str(info.value)
+    assert "no backend supports these inputs" in message and "value dtype=torch.float16" in message
+    for name in ("slow", "fast", "manual", "fp32_only"):
+        assert f"  {name}: dtype torch.float16 not supported" in message
+
+
+def test_limits_add_reasons(toys):
+    msda_core.register(_toy("picky", priority=50, limits=lambda inputs: ["needs D >= 8"] if inputs.head_dim < 8 else []))
+    assert _ran() == 2.0
+    with pytest.raises(BackendUnavailableError, match="needs D >= 8"):
+        _ran(backend="picky")
+
+
+def test_backward_runs_the_backend_requested_when_the_forward_ran(toys):
+    inp = tiny_inputs()
+    inp["value"].requires_grad_(True)
+    with msda_core.use_backend("manual"):
+        out = torch.ops.msda.deform_attn(**inp)
+    (grad,) = torch.autograd.grad(out.sum(), inp["value"])
+    assert grad.flatten()[0].item() == 3.0
+
+
+def test_empty_batch_or_queries_return_zeros_without_a_kernel(toys):
+    calls = []
+    boom = _toy("boom", priority=100)
+    msda_core.register(msda_core.Backend("boom", lambda *a: calls.append(a), lambda *a: calls.append(a),
+                                         boom.devices, boom.dtypes, boom.auto_devices, 100))
+    for B, Q in ((0, 2), (1, 0)):
+        inp = tiny_inputs(B=B, Q=Q)
+        for k in ("value", "sampling_locations", "attention_weights"):
+            inp[k].requires_grad_(True)
+        out = torch.ops.msda.deform_attn(**inp)
+        assert out.shape == (B, Q, 6) and out.dtype == torch.float64
+        grads = torch.autograd.grad(out.sum(), [inp["value"], inp["sampling_locations"], inp["attention_weights"]])
+        for g, k in zip(grads, ("value", "sampling_locations", "attention_weights")):
+            assert g.shape == inp[k].shape and not g.any()
+    assert calls == []
+
+
+def test_double_backward_is_a_clear_error(toys):
+    inp = tiny_inputs()
+    inp["value"].requires_grad_(True)
+    out = torch.ops.msda.deform_attn(**inp)
+    (grad,) = torch.autograd.grad(out.square().sum(), inp["value"], create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        grad.sum().backward()

@@ -1,0 +1,81 @@
+"""The ``grid_sample`` backend: one ``F.grid_sample`` per level, on any device and dtype.
+
+OP.md's bilinear sample is exactly ``grid_sample(bilinear, zeros, align_corners=False)`` at grid
+``2 * loc - 1``. Half inputs are computed in float32 (the reference of low-precision results, and the
+mixed half-value/fp32-location case, must not lose the locations' precision). Autograd is off inside an
+op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from msda_core import Backend
+
+_BILINEAR, _ZEROS = 0, 0  # aten's enum values for mode="bilinear", padding_mode="zeros"
+
+
+def _compute_dtype(value, sampling_locations):
+    return torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
+
+
+def _per_level(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) and weights as (B*M, Q, P)."""
+    B, S, M, D = value.shape
+    Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
+    dtype = _compute_dtype(value, sampling_locations)
+    for l, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
+        value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
+        grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
+        weights_l = attention_weights[:, :, :, l].to(dtype).permute(0, 2, 1, 3).reshape(B * M, Q, P)
+        yield l, (start, H, W), value_l, grid_l, weights_l
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    Q = sampling_locations.shape[1]
+    out = None
+    for _, _, value_l, grid_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
+                                                         sampling_locations, attention_weights):
+        sampled = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+        term = (sampled * weights_l[:, None]).sum(-1)  # (B*M, D, Q)
+        out = term if out is None else out + term
+    return out.reshape(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D).to(value.dtype).contiguous()
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             grad_accum):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    dtype = _compute_dtype(value, sampling_locations)
+    g = grad_output.to(dtype).reshape(B, Q, M, D).permute(0, 2, 3, 1).reshape(B * M, D, Q, 1)
+    grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
+    grad_locations, grad_weights = [], []
+    for l, (start, H, W), value_l, grid_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
+                                                                    sampling_locations, attention_weights):
+        sampled = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+        grad_weights.append((g * sampled).sum(1))  # (B*M, Q, P)
+        grad_value_l, grad_grid_l = torch.ops.aten.grid_sampler_2d_backward(
+            g * weights_l[:, None], value_l, grid_l, _BILINEAR, _ZEROS, False, [True, True])
+        grad_value[:, start:start + H * W] = grad_value_l.reshape(B, M, D, H * W).permute(0, 3, 1, 2)
+        grad_locations.append(2 * grad_grid_l)  # d(grid)/d(loc) = 2
+    grad_locations = torch.stack(grad_locations, 1).reshape(B, M, L, Q, P, 2).permute(0, 3, 1, 2, 4, 5)
+    grad_weights = torch.stack(grad_weights, 1).reshape(B, M, L, Q, P).permute(0, 3, 1, 2, 4)
+    # aten's grid gradient at a non-finite coordinate is NaN in one component only; the sample is NaN,
+    # so both components of the location gradient are NaN here, as in every other backend.
+    finite = torch.isfinite(sampling_locations).all(-1, keepdim=True)
+    grad_locations = torch.where(finite, grad_locations, torch.nan)
+    return (grad_value.to(value.dtype), grad_locations.to(sampling_locations.dtype).contiguous(),
+            grad_weights.to(attention_weights.dtype).contiguous())
+
+
+BACKEND = Backend(
+    name="grid_sample",
+    forward=forward,
+    backward=backward,
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    auto_devices=frozenset({"cpu", "cuda"}),
+    priority=10,
+)

@@ -1,0 +1,126 @@
+"""The ``naive`` backend: the math of OP.md as scalar Python loops, in float64 (Python floats).
+
+Correct by inspection and slow: meant for tiny inputs as the root of the chain of trust. The gradients
+are OP.md's formulas written out, not autograd, so they check the formulas themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from msda_core import Backend
+
+MAX_WORK = 200_000  # B*Q*M*L*P*D sampled channels; beyond this the loops take seconds
+
+
+def _corners(loc_x: float, loc_y: float, H: int, W: int):
+    """Pixel coordinates, fractions and the four corners (row, col, weight) in order 00, 01, 10, 11.
+
+    x = loc_x * W - 0.5 (align_corners=False); a corner outside the map has row/col None (zeros padding).
+    """
+    x, y = loc_x * W - 0.5, loc_y * H - 0.5
+    x0, y0 = math.floor(x), math.floor(y)
+    fx, fy = x - x0, y - y0
+    corners = []
+    for dy, dx, weight in ((0, 0, (1 - fx) * (1 - fy)), (0, 1, fx * (1 - fy)), (1, 0, (1 - fx) * fy), (1, 1, fx * fy)):
+        r, c = y0 + dy, x0 + dx
+        inside = 0 <= r < H and 0 <= c < W
+        corners.append((r * W + c if inside else None, weight))
+    return fx, fy, corners
+
+
+def _levels(spatial_shapes, level_start_index):
+    return [(h, w, s) for (h, w), s in zip(spatial_shapes.tolist(), level_start_index.tolist())]
+
+
+def _finite(*xs) -> bool:
+    return all(math.isfinite(x) for x in xs)
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    v = value.double().tolist()
+    loc = sampling_locations.double().tolist()
+    att = attention_weights.double().tolist()
+    levels = _levels(spatial_shapes, level_start_index)
+    out = [[[[0.0] * D for _ in range(M)] for _ in range(Q)] for _ in range(B)]
+    for b in range(B):
+        for q in range(Q):
+            for m in range(M):
+                acc = out[b][q][m]
+                for l, (H, W, start) in enumerate(levels):
+                    for p in range(P):
+                        (lx, ly), a = loc[b][q][m][l][p], att[b][q][m][l][p]
+                        if not _finite(lx, ly):  # grid_sample's convention: the sample is NaN
+                            acc[:] = [math.nan] * D
+                            continue
+                        _, _, corners = _corners(lx, ly, H, W)
+                        for pixel, weight in corners:
+                            if pixel is not None:
+                                row = v[b][start + pixel][m]
+                                for d in range(D):
+                                    acc[d] += a * weight * row[d]
+    return torch.tensor(out, dtype=torch.float64).reshape(B, Q, M * D).to(value.dtype)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             grad_accum):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    v = value.double().tolist()
+    loc = sampling_locations.double().tolist()
+    att = attention_weights.double().tolist()
+    g_all = grad_output.double().reshape(B, Q, M, D).tolist()
+    levels = _levels(spatial_shapes, level_start_index)
+    g_value = [[[[0.0] * D for _ in range(M)] for _ in range(S)] for _ in range(B)]
+    g_loc = [[[[[[0.0, 0.0] for _ in range(P)] for _ in range(L)] for _ in range(M)] for _ in range(Q)] for _ in range(B)]
+    g_att = [[[[[0.0] * P for _ in range(L)] for _ in range(M)] for _ in range(Q)] for _ in range(B)]
+    zero = [0.0] * D
+    for b in range(B):
+        for q in range(Q):
+            for m in range(M):
+                g = g_all[b][q][m]
+                for l, (H, W, start) in enumerate(levels):
+                    for p in range(P):
+                        (lx, ly), a = loc[b][q][m][l][p], att[b][q][m][l][p]
+                        if not _finite(lx, ly):
+                            g_att[b][q][m][l][p] = math.nan
+                            g_loc[b][q][m][l][p] = [math.nan, math.nan]
+                            continue
+                        fx, fy, corners = _corners(lx, ly, H, W)
+                        v00, v01, v10, v11 = (v[b][start + px][m] if px is not None else zero for px, _ in corners)
+                        dot = lambda u: sum(gd * ud for gd, ud in zip(g, u))
+                        s = [sum(wc * vc[d] for (_, wc), vc in zip(corners, (v00, v01, v10, v11))) for d in range(D)]
+                        g_att[b][q][m][l][p] = dot(s)
+                        ds_dx = [(v01[d] - v00[d]) * (1 - fy) + (v11[d] - v10[d]) * fy for d in range(D)]
+                        ds_dy = [(v10[d] - v00[d]) * (1 - fx) + (v11[d] - v01[d]) * fx for d in range(D)]
+                        g_loc[b][q][m][l][p] = [a * W * dot(ds_dx), a * H * dot(ds_dy)]
+                        for pixel, weight in corners:
+                            if pixel is not None:
+                                target = g_value[b][start + pixel][m]
+                                for d in range(D):
+                                    target[d] += a * weight * g[d]
+    as_tensor = lambda x, like: torch.tensor(x, dtype=torch.float64).reshape(like.shape).to(like.dtype)
+    return as_tensor(g_value, value), as_tensor(g_loc, sampling_locations), as_tensor(g_att, attention_weights)
+
+
+def _limits(inputs):
+    work = inputs.batch * inputs.queries * inputs.heads * inputs.levels * inputs.points * inputs.head_dim
+    if work > MAX_WORK:
+        return [f"too large for the naive Python loops ({work} sampled channels > {MAX_WORK})"]
+    return []
+
+
+BACKEND = Backend(
+    name="naive",
+    forward=forward,
+    backward=backward,
+    devices=frozenset({"cpu"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    auto_devices=frozenset(),  # a test oracle: only when asked for by name
+    priority=0,
+    limits=_limits,
+)

@@ -1,0 +1,91 @@
+"""Link 1 of the chain of trust: the naive loops against grid_sample in float64, then the op's gradients
+against finite differences, and the op's registration against torch.library's own checks."""
+
+import pytest
+import torch
+
+import msda_testkit as kit
+
+
+@pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
+def test_naive_matches_grid_sample_in_float64(case):
+    inputs = kit.make_inputs(case, torch.float64)
+    kit.assert_parity(inputs, "naive", "grid_sample")
+
+
+@pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS)
+@pytest.mark.parametrize("backend", ["naive", "grid_sample"])
+def test_gradcheck(backend, head_dim):
+    """Finite differences of the op itself; samples kept away from pixel kinks (OP.md)."""
+    case = kit.Case(f"gradcheck_d{head_dim}", head_dim=head_dim, layout="away_from_pixels", loc_range=(-0.2, 1.2))
+    inputs = kit.make_inputs(case, torch.float64)
+    value, loc, weights = (inputs[k].requires_grad_() for k in ("value", "sampling_locations", "attention_weights"))
+
+    def op(value, loc, weights):
+        return torch.ops.msda.deform_attn(value, inputs["spatial_shapes"], inputs["level_start_index"], loc, weights,
+                                          backend=backend)
+
+    assert torch.autograd.gradcheck(op, (value, loc, weights), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [kit.case("tiny"), kit.case("no_level_start"), kit.case("non_contiguous")],
+                         ids=lambda c: c.name)
+def test_opcheck_both_ops(case):
+    inputs = kit.make_inputs(case, torch.float64)
+    for k in ("value", "sampling_locations", "attention_weights"):
+        inputs[k].requires_grad_()
+    args = tuple(inputs.values())
+    torch.library.opcheck(torch.ops.msda.deform_attn.default, args, {"backend": "grid_sample"})
+    grad = kit.grad_output_for(inputs)
+    detached = tuple(a.detach() if a is not None else None for a in args)
+    torch.library.opcheck(torch.ops.msda.deform_attn_backward.default, (grad,) + detached,
+                          {"backend": "grid_sample", "grad_accum": "auto"})
+
+
+def test_compile_fullgraph_matches_eager():
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float32)
+
+    def layer(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        out = torch.ops.msda.deform_attn(value * 2, spatial_shapes, level_start_index, sampling_locations,
+                                         attention_weights.softmax(-1))
+        return out.relu().sum(-1)
+
+    eager = layer(**inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)(**inputs)
+    kit.assert_close("compiled output", compiled, eager, kit.tolerance(torch.float32, "forward"))
+
+
+def test_compile_fullgraph_backward():
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+    value = inputs["value"].requires_grad_()
+
+    def loss(value):
+        return torch.ops.msda.deform_attn(value, inputs["spatial_shapes"], inputs["level_start_index"],
+                                          inputs["sampling_locations"], inputs["attention_weights"]).square().sum()
+
+    (expected,) = torch.autograd.grad(loss(value), value)
+    torch._dynamo.reset()
+    (actual,) = torch.autograd.grad(torch.compile(loss, fullgraph=True)(value), value)
+    kit.assert_close("compiled grad_value", actual, expected, kit.tolerance(torch.float64, "gradient"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", [kit.case("out_of_bounds"), kit.case("head_dim_71"), kit.case("nonfinite")],
+                         ids=lambda c: c.name)
+def test_grid_sample_low_precision_against_float64(case, dtype):
+    kit.assert_parity(kit.make_inputs(case, dtype), "grid_sample", "naive")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_precision_keeps_location_precision(dtype):
+    """Half value with fp32 locations: locations are not rounded to half on the way."""
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, location_dtype=torch.float32)
+    results = kit.assert_parity(inputs, "grid_sample", "naive")
+    assert [r.name for r in results][:1] == ["output"]
+    # the same inputs with the locations rounded to half must be measurably worse: the dtype mattered
+    rounded = dict(inputs, sampling_locations=inputs["sampling_locations"].to(dtype).float())
+    exact = kit.run(kit.upcast(inputs), "naive")["output"]
+    err_mixed = (kit.run(inputs, "grid_sample")["output"].double() - exact).abs().max()
+    err_rounded = (kit.run(rounded, "grid_sample")["output"].double() - exact).abs().max()
+    assert err_rounded > 2 * err_mixed

@@ -1,0 +1,16 @@
+"""msda-core + msda-reference alone give working CPU inference through torch.ops.msda.deform_attn."""
+
+import torch
+
+import msda_core
+import msda_testkit as kit
+
+
+def test_auto_runs_grid_sample_on_cpu_and_matches_float64():
+    inputs = kit.make_inputs(kit.case("decoder_small"), torch.float32)
+    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "grid_sample"
+    with torch.inference_mode():
+        out = torch.ops.msda.deform_attn(**inputs)
+    expected = kit.run(kit.upcast(inputs), "grid_sample")["output"]
+    kit.assert_close("output", out, expected, kit.tolerance(torch.float32, "forward"))
+

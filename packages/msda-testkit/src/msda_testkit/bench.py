@@ -1,0 +1,200 @@
+"""``python -m msda_testkit.bench``: forward and backward times of every available backend.
+
+For each backend, dtype and case: the median forward time and backward time (forward+backward minus
+forward, through autograd as users call it, host overhead included), the same work replayed from a CUDA
+graph (kernel time without host overhead), peak extra memory of one forward+backward, and effective
+bandwidth (the bytes that must move at least once, over the time) as a fraction of the device-to-device
+copy bandwidth measured in the same run. Prints a table, writes JSON (with the environment) and, when
+matplotlib is present, a PNG of time against work. On a CPU machine it runs the CPU backends on
+smaller cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+from tabulate import tabulate
+
+import msda_core
+
+from .cases import DETR_LEVELS, DETR_S, STANDARD_CASES, Case, grad_output_for, make_inputs
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SWEEP = tuple(replace(STANDARD_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \
+    tuple(replace(STANDARD_CASES[1], name=f"sweep_b{b}_q{DETR_S}", batch=b) for b in (1, 4))
+CPU_CASES = (Case("decoder_b1_q300", batch=1, queries=300, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
+             Case("encoder_b1", batch=1, queries=DETR_S, heads=8, head_dim=32, levels=DETR_LEVELS, points=4))
+_DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")
+
+
+def must_move_bytes(inputs: dict, backward: bool) -> int:
+    """Each input read once and each output written once: the floor on memory traffic."""
+    value, loc, weights = (inputs[k] for k in _DIFFERENTIABLE)
+    out = loc.shape[0] * loc.shape[1] * value.shape[2] * value.shape[3] * value.element_size()
+    reads = sum(t.numel() * t.element_size() for t in (value, loc, weights))
+    if not backward:
+        return reads + out
+    return 2 * reads + out  # read value, locations, weights and grad_output; write the three gradients
+
+
+def _median_ms(fn, device, repeats: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _graph_ms(fn) -> float | None:
+    """Time of replaying fn from a CUDA graph, or None if fn cannot be captured (e.g. it syncs)."""
+    import triton.testing
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return None
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read plus written per second."""
+    import triton.testing
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int) -> dict:
+    inputs = make_inputs(case, dtype, device=device)
+    leaves = {k: (v.requires_grad_() if k in _DIFFERENTIABLE else v) for k, v in inputs.items()}
+    grad_output = grad_output_for(inputs)
+
+    def forward():
+        return torch.ops.msda.deform_attn(**leaves, backend=backend)
+
+    def forward_backward():
+        return torch.autograd.grad(forward(), [leaves[k] for k in _DIFFERENTIABLE], grad_output)
+
+    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend, "B": case.batch, "Q": case.queries}
+    row["fwd_ms"] = _median_ms(forward, device, repeats)
+    row["bwd_ms"] = _median_ms(forward_backward, device, repeats) - row["fwd_ms"]
+    if device.type == "cuda":
+        fwd_graph = _graph_ms(forward)
+        both_graph = _graph_ms(forward_backward)
+        row["fwd_graph_ms"] = fwd_graph
+        row["bwd_graph_ms"] = both_graph - fwd_graph if both_graph and fwd_graph else None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        forward_backward()
+        torch.cuda.synchronize(device)
+        row["peak_extra_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    row["fwd_min_bytes"] = must_move_bytes(inputs, backward=False)
+    row["bwd_min_bytes"] = must_move_bytes(inputs, backward=True)
+    return row
+
+
+def environment(device) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        import triton
+        env.update(gpu=torch.cuda.get_device_name(device), triton=triton.__version__,
+                   cuda=torch.version.cuda)
+    else:
+        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    for package in ("msda-core", "msda-reference", "msda-triton", "msda-testkit"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return env
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key in zip(axes, ("fwd_ms", "bwd_ms")):
+        series = {}
+        for r in rows:
+            series.setdefault((r["backend"], r["dtype"]), []).append((r["B"] * r["Q"], r[key]))
+        for (backend, dtype), points in sorted(series.items()):
+            points.sort()
+            ax.plot(*zip(*points), marker="o", label=f"{backend} {dtype}")
+        ax.set(xscale="log", yscale="log", xlabel="queries x batch", ylabel="median ms",
+               title=key.replace("_ms", "").replace("fwd", "forward").replace("bwd", "backward"))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backends", nargs="*", help="default: every backend that runs on the device")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--no-sweep", action="store_true", help="only the standard cases")
+    parser.add_argument("--repeats", type=int, default=5, help="CPU timing repeats")
+    parser.add_argument("--json", default="bench.json")
+    parser.add_argument("--plot", default="bench.png")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cases = STANDARD_CASES + (() if args.no_sweep else SWEEP) if device.type == "cuda" else CPU_CASES
+    backends = args.backends or sorted(n for n, b in msda_core.backends().items()
+                                       if device.type in b.auto_devices)
+    env = environment(device)
+    if device.type == "cuda":
+        env["copy_bandwidth_tb_s"] = copy_bandwidth(device) / 1e12
+    rows = []
+    for case in cases:
+        for dtype_name in args.dtypes:
+            for backend in backends:
+                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats)
+                if "copy_bandwidth_tb_s" in env:
+                    bandwidth = env["copy_bandwidth_tb_s"] * 1e12
+                    for key in ("fwd", "bwd"):
+                        ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
+                        row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
+                rows.append(row)
+                print(f"{row['case']} {row['dtype']} {backend}: fwd {row['fwd_ms']:.4g} ms, "
+                      f"bwd {row['bwd_ms']:.4g} ms", flush=True)
+    columns = ["case", "dtype", "backend", "fwd_ms", "bwd_ms", "fwd_graph_ms", "bwd_graph_ms", "peak_extra_mb",
+               "fwd_bw_frac", "bwd_bw_frac"]
+    columns = [c for c in columns if any(c in r for r in rows)]
+    print(json.dumps(env))
+    print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
+    with open(args.json, "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+    _plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

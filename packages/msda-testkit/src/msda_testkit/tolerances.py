@@ -1,0 +1,67 @@
+"""The tolerance table: how far a result may sit from a float64 reference computed on the same inputs.
+
+Keyed by (dtype of the result, effect). Every entry carries the reason for its numbers. An element
+passes when ``|actual - expected| <= atol * scale + rtol * |expected|``, where ``scale`` is the largest
+finite ``|expected|`` of that tensor: errors of accumulated sums are proportional to the size of what is
+summed, not to the (possibly cancelled) result, so ``atol`` is relative to the tensor's scale.
+
+Effects:
+- ``forward`` / ``gradient``: the kernel's own arithmetic (fp32 accumulation) and one rounding of the
+  result to its dtype. Unit roundoff u: fp32 2^-24 ≈ 6e-8, fp16 2^-11 ≈ 4.9e-4, bf16 2^-8 ≈ 3.9e-3.
+- ``atomic``: grad_value scattered with atomic adds, whose order varies run to run; in a half dtype
+  (``grad_accum="native"``) every add also rounds the running sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float  # relative to each expected element
+    atol: float  # relative to the tensor's scale (largest finite |expected|)
+    reason: str
+
+
+_FP32_SUMS = ("fp32 accumulation of sums of up to ~300 products (4 corners x D <= 71, or 4*L*P samples): "
+              "worst case n*u = 300 * 6e-8 ~ 2e-5 of the scale")
+
+TOLERANCES = {
+    (torch.float64, "forward"): Tolerance(1e-12, 1e-12,
+        "float64 sums of <= 4*L*P terms err by ~n * 1.1e-16 ~ 1e-14; 1e-12 leaves 100x headroom, while a "
+        "convention slip (the -0.5, a corner weight, padding) is O(1)"),
+    (torch.float64, "gradient"): Tolerance(1e-10, 1e-10,
+        "gradients add D-long dot products, differences of corners and the W_l/H_l factor (up to 167x); "
+        "1e-10 still catches any formula error, which is O(1)"),
+    (torch.float64, "atomic"): Tolerance(1e-10, 1e-10,
+        "reordered float64 atomic adds err by <= K * 1.1e-16 for K <= 1e4 contributions per pixel; "
+        "held to the gradient entry"),
+    (torch.float32, "forward"): Tolerance(1e-5, 2e-5, _FP32_SUMS),
+    (torch.float32, "gradient"): Tolerance(1e-5, 2e-5, _FP32_SUMS),
+    (torch.float32, "atomic"): Tolerance(1e-5, 2e-5,
+        "fp32 atomic adds in any order: <= K * u ~ 1.5e-5 of the scale for K <= 256 contributions per pixel"),
+    (torch.float16, "forward"): Tolerance(1e-3, 2e-5,
+        "fp32 accumulation (atol, as fp32) then one rounding to fp16: <= u = 4.9e-4 relative; rtol = 2u"),
+    (torch.float16, "gradient"): Tolerance(1e-3, 2e-5,
+        "as the fp16 forward: fp32 arithmetic, one rounding of each gradient to fp16"),
+    (torch.float16, "atomic"): Tolerance(1e-3, 8e-3,
+        "native fp16 atomics round the running sum at each of K adds: random-sign error ~ sqrt(K) * u of "
+        "the scale; K <= 256 contributions per pixel gives 16u = 7.8e-3"),
+    (torch.bfloat16, "forward"): Tolerance(8e-3, 2e-5,
+        "fp32 accumulation (atol, as fp32) then one rounding to bf16: <= u = 3.9e-3 relative; rtol = 2u"),
+    (torch.bfloat16, "gradient"): Tolerance(8e-3, 2e-5,
+        "as the bf16 forward: fp32 arithmetic, one rounding of each gradient to bf16"),
+    (torch.bfloat16, "atomic"): Tolerance(8e-3, 6.3e-2,
+        "native bf16 atomics round the running sum at each of K adds: ~ sqrt(K) * u of the scale; "
+        "K <= 256 gives 16u = 6.3e-2"),
+}
+
+
+def tolerance(dtype: torch.dtype, effect: str) -> Tolerance:
+    try:
+        return TOLERANCES[(dtype, effect)]
+    except KeyError:
+        raise KeyError(f"no tolerance for dtype {dtype} and effect {effect!r}; see msda_testkit.tolerances") from None

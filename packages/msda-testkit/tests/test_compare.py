@@ -1,0 +1,36 @@
+import math
+
+import torch
+
+import msda_testkit as kit
+
+TOL = kit.Tolerance(rtol=1e-3, atol=1e-4, reason="test entry")
+
+
+def test_identical_passes_and_reports_zero_error():
+    x = torch.randn(100, dtype=torch.float64)
+    r = kit.compare("x", x, x.clone(), TOL)
+    assert r.passed and r.max_abs_err == 0 and r.n == 100
+
+
+def test_planted_error_is_found_and_reported():
+    x = torch.randn(100, dtype=torch.float64)
+    y = x.clone()
+    y[17] += 0.5
+    r = kit.compare("x", y, x, TOL)
+    assert not r.passed and r.n_bad == 1 and math.isclose(r.max_abs_err, 0.5, rel_tol=1e-9)
+    assert "FAILED: 1 of 100 elements outside" in str(r)
+
+
+def test_error_within_atol_of_the_scale_passes():
+    x = torch.tensor([1000.0, 0.0], dtype=torch.float64)
+    r = kit.compare("x", x + torch.tensor([0.0, 0.05]), x, TOL)  # 0.05 <= 1e-4 * 1000
+    assert r.passed
+
+
+def test_nan_must_meet_nan_and_inf_the_same_inf():
+    e = torch.tensor([math.nan, math.inf, 1.0], dtype=torch.float64)
+    assert kit.compare("x", e.clone(), e, TOL).passed
+    assert kit.compare("x", torch.tensor([0.0, math.inf, 1.0]), e, TOL).n_bad == 1
+    assert kit.compare("x", torch.tensor([math.nan, -math.inf, 1.0]), e, TOL).n_bad == 1
+    assert kit.compare("x", torch.tensor([math.nan, math.inf, math.nan]), e, TOL).n_bad == 1

@@ -1,0 +1,92 @@
+"""The ``triton`` backend: kernels.py launched on CUDA tensors, or on CPU tensors through Triton's
+interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+
+from msda_core import Backend
+
+from . import kernels
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when kernels are defined
+
+
+def accumulates_in_fp32(dtype: torch.dtype, device: torch.device, grad_accum: str) -> bool:
+    """The accumulation switch for grad_value: "auto" scatters bf16 through an fp32 buffer unless the
+    device has native bf16 atomic adds (compute capability 9.0+); elsewhere they are a CAS loop."""
+    if grad_accum != "auto":
+        return grad_accum == "fp32"
+    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return dtype == torch.bfloat16 and not native_bf16
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on the tensors' own device (cuda:1 works), on its current stream."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _sizes(value, sampling_locations):
+    B, S, M, D = value.shape
+    Q, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
+    return B * Q * M, Q, S, M, D, L, P
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    value, sampling_locations, attention_weights = (t.contiguous() for t in (value, sampling_locations,
+                                                                              attention_weights))
+    sizes = _sizes(value, sampling_locations)
+    n_rows, D = sizes[0], sizes[4]
+    out = value.new_empty(sampling_locations.shape[0], sampling_locations.shape[1], value.shape[2] * D)
+    block_r, block_d = kernels.block_sizes(D)
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(D, block_d))
+    with _on_device(value):
+        kernels.forward_kernel[grid](value, spatial_shapes.contiguous(), level_start_index.contiguous(),
+                                     sampling_locations, attention_weights, out, *sizes,
+                                     BLOCK_R=block_r, BLOCK_D=block_d)
+    return out
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             grad_accum):
+    grad_output, value, sampling_locations, attention_weights = (
+        t.contiguous() for t in (grad_output, value, sampling_locations, attention_weights))
+    sizes = _sizes(value, sampling_locations)
+    n_rows, D = sizes[0], sizes[4]
+    in_fp32 = accumulates_in_fp32(value.dtype, value.device, grad_accum)
+    grad_value = torch.zeros(value.shape, dtype=torch.float32 if in_fp32 else value.dtype, device=value.device)
+    grad_locations = torch.empty_like(sampling_locations)
+    grad_weights = torch.empty_like(attention_weights)
+    block_r, block_d = kernels.block_sizes(D)
+    with _on_device(value):
+        kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
+            value, spatial_shapes.contiguous(), level_start_index.contiguous(), sampling_locations,
+            attention_weights, grad_output, grad_value, grad_locations, grad_weights, *sizes,
+            BLOCK_R=block_r, BLOCK_D=block_d)
+    return grad_value.to(value.dtype), grad_locations, grad_weights
+
+
+def _limits(inputs) -> list:
+    if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
+        return [f"needs compute capability 8.0+, {inputs.device} has "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(inputs.device)))}"]
+    if inputs.device.type == "cpu" and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
+        return ["Triton's interpreter has no bf16 atomic add: use grad_accum='fp32' or 'auto' on CPU"]
+    return []
+
+
+BACKEND = Backend(
+    name="triton",
+    forward=forward,
+    backward=backward,
+    devices=frozenset({"cuda", "cpu"} if INTERPRETED else {"cuda"}),
+    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+    auto_devices=frozenset({"cuda"}),  # on CPU the interpreter is for testing, never chosen by auto
+    priority=100,
+    deterministic=False,  # grad_value is scattered with atomic adds
+    limits=_limits,
+)

@@ -1,0 +1,79 @@
+"""``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU.
+
+Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
+grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
+lower them differently. Arguments carry the specialization the runtime would give the encoder call
+(B2, Q = S = 22223, M 8, D 32, L 4, P 4): 16-byte-aligned pointers (as torch allocates) and 16-divisible
+integers, so the PTX is the one that runs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import kernels
+
+ARCHS = (80, 90)
+INTS = {"n_rows": 2 * 22223 * 8, "Q": 22223, "S": 22223, "M": 8, "D": 32, "L": 4, "P": 4}
+INDEX_POINTERS = ("shapes_ptr", "starts_ptr")
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+def _variants():
+    """(name, kernel, {pointer: type}) for forward and backward x dtype x accumulation."""
+    for dtype in DTYPES:
+        yield f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype,
+                                                          "weight_ptr": dtype, "out_ptr": dtype}
+        for accum in ("native", "fp32"):
+            yield f"backward {dtype} {accum}", kernels.backward_kernel, {
+                "value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
+                "grad_value_ptr": dtype if accum == "native" else "fp32", "grad_loc_ptr": dtype,
+                "grad_weight_ptr": dtype}
+
+
+def compile_variant(kernel, pointer_types: dict, arch: int) -> str:
+    block_r, block_d = kernels.block_sizes(INTS["D"])
+    constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in INTS:
+            signature[name] = "i32"
+            if INTS[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "*i64" if name in INDEX_POINTERS else "*" + pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
+def atomic_instructions(ptx: str) -> str:
+    found = Counter(re.findall(r"\b(?:atom|red)(?:\.[\w]+)+", ptx))
+    return ", ".join(f"{op} x{n}" for op, n in sorted(found.items())) or "none"
+
+
+def main() -> int:
+    print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in ARCHS))
+    rows = []
+    for name, kernel, pointer_types in _variants():
+        for arch in ARCHS:
+            ptx = compile_variant(kernel, pointer_types, arch)
+            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions")
+    for r in rows:
+        print(f"{r[0]:{widths[0]}}  {r[1]:{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+    print(f"{len(rows)} variants compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

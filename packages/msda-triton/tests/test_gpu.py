@@ -1,0 +1,109 @@
+"""What only a GPU can show: realistic shapes, 64-bit offsets, other devices, graph capture, compile."""
+
+import pytest
+import torch
+from triton_env import gpu_only
+from test_kernels import VARIANTS, _id, assert_triton_parity
+
+import msda_core
+import msda_testkit as kit
+
+pytestmark = gpu_only
+F16, F32 = torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("case", kit.STANDARD_CASES[:2], ids=lambda c: c.name)
+def test_standard_shapes_match_float64(case, variant):
+    dtype, loc_dtype, grad_accum = variant
+    assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device="cuda"), grad_accum)
+
+
+@pytest.mark.parametrize("head_dim", [1024, 1025, 2048])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_large_head_dims(head_dim, dtype):
+    case = kit.with_head_dim(kit.case("out_of_bounds"), head_dim)
+    assert_triton_parity(kit.make_inputs(case, dtype, device="cuda"), "auto")
+
+
+def test_auto_picks_triton_on_cuda():
+    inputs = kit.make_inputs(kit.case("tiny"), F32, device="cuda")
+    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "triton"
+
+
+def test_offsets_past_2_pow_31():
+    """value has 2.4e9 elements: batch 1's pixels sit past 2^31; its results must match batch 1 alone."""
+    B, H, W, M, D, Q, P = 2, 768, 768, 1, 2048, 64, 4
+    assert B * H * W * M * D > 2 ** 31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    value = torch.randn(B, H * W, M, D, device="cuda", dtype=F16, generator=g)
+    loc = 0.9 + 0.1 * torch.rand(B, Q, M, 1, P, 2, device="cuda", generator=g)  # the far corner of the map
+    inputs = {"value": value, "spatial_shapes": torch.tensor([[H, W]], device="cuda"), "level_start_index": None,
+              "sampling_locations": loc.to(F16), "attention_weights": torch.rand(B, Q, M, 1, P, device="cuda",
+                                                                                generator=g).to(F16)}
+    grad_output = kit.grad_output_for(inputs)
+    full = kit.run(inputs, "triton", grad_output, grad_accum="native")
+    last = {k: (v[1:] if v is not None and k != "spatial_shapes" else v) for k, v in inputs.items()}
+    alone = kit.run(last, "triton", grad_output[1:].contiguous(), grad_accum="native")
+    del inputs, value
+    for name in alone:
+        assert torch.equal(full[name][1:].isnan(), alone[name].isnan()), name
+        kit.assert_close(name, full[name][1:], alone[name], kit.tolerance(F16, "atomic"))
+    assert full["output"][1].abs().sum() > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_second_device():
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device="cuda:1")
+    on_1 = kit.run(inputs, "triton")["output"]
+    assert on_1.device == torch.device("cuda:1")
+    on_0 = kit.run({k: (v.to("cuda:0") if v is not None else v) for k, v in inputs.items()}, "triton")["output"]
+    assert torch.equal(on_1.cpu(), on_0.cpu())
+
+
+def test_cuda_graph_capture_of_forward_and_backward():
+    case = kit.case("decoder_b4_q300")
+    static = kit.make_inputs(case, F32, device="cuda")
+    grad_output = kit.grad_output_for(static)
+    leaves = [static[k].requires_grad_() for k in ("value", "sampling_locations", "attention_weights")]
+
+    def step():
+        out = torch.ops.msda.deform_attn(**static, backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, grad_output))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    fresh = kit.make_inputs(case, F32, device="cuda", seed=7)
+    with torch.no_grad():
+        for k in ("value", "sampling_locations", "attention_weights"):
+            static[k].copy_(fresh[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = kit.run(fresh, "triton", grad_output)
+    assert torch.equal(captured[0], expected["output"])
+    for got, name in zip(captured[1:], kit.GRAD_NAMES):
+        kit.assert_close(name, got, expected[name], kit.tolerance(F32, "atomic"))
+
+
+def test_compile_fullgraph():
+    inputs = kit.make_inputs(kit.case("decoder_b4_q300"), torch.bfloat16, device="cuda")
+    value = inputs["value"].requires_grad_()
+
+    def layer(value):
+        rest = {k: v for k, v in inputs.items() if k != "value"}
+        return torch.ops.msda.deform_attn(value * 2, **rest).float().square().mean()
+
+    eager = layer(value)
+    (eager_grad,) = torch.autograd.grad(eager, value)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)(value)
+    (compiled_grad,) = torch.autograd.grad(compiled, value)
+    kit.assert_close("loss", compiled, eager, kit.tolerance(F32, "forward"))
+    kit.assert_close("grad_value", compiled_grad, eager_grad, kit.tolerance(torch.bfloat16, "atomic"))

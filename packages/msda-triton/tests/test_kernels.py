@@ -1,0 +1,108 @@
+"""The Triton kernels against float64 (link 2 of the chain: naive -> grid_sample -> triton).
+
+On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is grid_sample in float64 on the
+same device, which link 1 ties to the naive loops.
+"""
+
+import pytest
+import torch
+from triton_env import DEVICE, needs_kernels
+
+import msda_core
+import msda_testkit as kit
+from msda_triton.backend import accumulates_in_fp32
+
+pytestmark = needs_kernels
+REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (value dtype, location/weight dtype, grad_accum)
+VARIANTS = [(F32, F32, "native"), (F32, F32, "fp32"), (F16, F16, "native"), (F16, F16, "fp32"),
+            (BF16, BF16, "fp32"), (BF16, BF16, "native"), (F16, F32, "native"), (BF16, F32, "auto")]
+
+
+def _id(variant):
+    dtype, loc_dtype, acc = variant
+    name = str(dtype)[6:] + ("" if loc_dtype == dtype else "-" + str(loc_dtype)[6:] + "-locations")
+    return f"{name}-{acc}"
+
+
+def assert_triton_parity(inputs, grad_accum):
+    """grad_value takes the atomic entry unless half values were accumulated in fp32 and rounded once."""
+    dtype = inputs["value"].dtype
+    in_fp32 = accumulates_in_fp32(dtype, inputs["value"].device, grad_accum)
+    grad_output = kit.grad_output_for(inputs)
+    actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum)
+    expected = kit.reference(inputs, backend=REFERENCE)
+    results = kit.compare_results(inputs, actual, expected, atomic_grad_value=dtype == F32 or not in_fp32)
+    if any(not r.passed for r in results):
+        raise AssertionError("\n".join(str(r) for r in results))
+    return results
+
+
+def _skip_unsupported(dtype, grad_accum):
+    if DEVICE == "cpu" and dtype == BF16 and grad_accum == "native":
+        pytest.skip("Triton's interpreter has no bf16 atomic add (covered on the GPU)")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
+def test_edge_cases_match_float64(case, variant):
+    dtype, loc_dtype, grad_accum = variant
+    _skip_unsupported(dtype, grad_accum)
+    assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device=DEVICE), grad_accum)
+
+
+@pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS + (96,))
+def test_head_dims(head_dim):
+    case = kit.with_head_dim(kit.case("out_of_bounds"), head_dim)
+    assert_triton_parity(kit.make_inputs(case, F32, device=DEVICE), "native")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_accumulation_paths_agree(dtype):
+    """fp32 values: both paths do the same fp32 arithmetic, only the atomics' order differs. Half values:
+    only grad_value differs, by the native path's per-add rounding."""
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, device=DEVICE)
+    grad_output = kit.grad_output_for(inputs)
+    native = kit.run(inputs, "triton", grad_output, grad_accum="native")
+    fp32 = kit.run(inputs, "triton", grad_output, grad_accum="fp32")
+    for name in ("output", "grad_sampling_locations", "grad_attention_weights"):
+        assert torch.equal(native[name], fp32[name]), name
+    kit.assert_close("grad_value", native["grad_value"], fp32["grad_value"], kit.tolerance(dtype, "atomic"))
+
+
+def test_grad_accum_auto_rule():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert accumulates_in_fp32(BF16, cpu, "auto")
+    assert not accumulates_in_fp32(F16, cpu, "auto") and not accumulates_in_fp32(F32, cpu, "auto")
+    assert accumulates_in_fp32(F16, cpu, "fp32") and not accumulates_in_fp32(BF16, cpu, "native")
+    if DEVICE == "cuda":
+        assert accumulates_in_fp32(BF16, cuda, "auto") == (torch.cuda.get_device_capability() < (9, 0))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
+def test_interpreter_refuses_bf16_native_atomics_by_name():
+    inputs = kit.make_inputs(kit.case("tiny"), BF16)
+    with pytest.raises(msda_core.BackendUnavailableError, match="no bf16 atomic add"):
+        msda_core.deform_attn(**inputs, backend="triton", grad_accum="native")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
+def test_auto_never_picks_the_interpreter():
+    inputs = kit.make_inputs(kit.case("tiny"), F32)
+    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "grid_sample"
+    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"], "triton") == "triton"
+
+
+def test_opcheck():
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
+    for k in ("value", "sampling_locations", "attention_weights"):
+        inputs[k].requires_grad_()
+    torch.library.opcheck(torch.ops.msda.deform_attn.default, tuple(inputs.values()), {"backend": "triton"})
+
+
+def test_forward_is_deterministic():
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
+    first = kit.run(inputs, "triton")["output"]
+    assert torch.equal(first, kit.run(inputs, "triton")["output"])
