@@ -25,7 +25,7 @@ def install_ours(session, *packages):
 
 @nox.session
 def cpu(session):
-    session.install(TORCH, "setuptools>=64", "pytest", "tabulate")
+    session.install(TORCH, "setuptools>=70.1", "pytest", "tabulate", "numpy")
     # 1. The reference-only install: msda-core + msda-reference, no Triton, gives CPU inference.
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "triton", "msda-triton", "msda-testkit")
     install_ours(session, "msda-core", "msda-reference")
@@ -40,7 +40,7 @@ def cpu(session):
 
 @nox.session
 def compile_ptx(session):
-    session.install("triton", "setuptools>=64")
+    session.install("triton", "setuptools>=70.1")
     install_ours(session, "msda-triton")
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
 
@@ -59,6 +59,6 @@ def gpu(session):
 
 @nox.session
 def report(session):
-    session.install(TORCH, "setuptools>=64", "tabulate", "triton")
+    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_testkit.report", *session.posargs)

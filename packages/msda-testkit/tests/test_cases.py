@@ -73,3 +73,22 @@ def test_kink_band_covers_pixel_centres_and_little_else():
     uniform = kit.make_inputs(kit.case("decoder_small"), torch.float32)
     near = kit.parity.near_pixel_kinks(uniform)
     assert near.float().mean() < 1e-3  # the band is ~1e-5 pixel wide: a handful of samples at most
+
+
+def test_contribution_count_matches_a_hand_count():
+    """One query, one point at the centre of a 2x2 map: its 4 corners each get 1 add; two identical
+    queries make 2."""
+    c = kit.Case("k", queries=2, heads=1, levels=((2, 2),), points=1)
+    inputs = kit.make_inputs(c, torch.float64)
+    inputs["sampling_locations"].fill_(0.5)
+    assert kit.parity.max_contributions_per_element(inputs) == 2
+    inputs["sampling_locations"][0, 1] = 5.0  # the second query outside the map
+    assert kit.parity.max_contributions_per_element(inputs) == 1
+
+
+def test_atomic_tolerance_refuses_cases_beyond_its_premise():
+    c = kit.Case("crowded", queries=3000, heads=1, levels=((1, 1),), points=2)  # 6000 adds on one pixel
+    inputs = kit.make_inputs(c, torch.float32)
+    actual = expected = {"grad_value": torch.zeros_like(inputs["value"])}
+    with pytest.raises(ValueError, match="6000 atomic adds reach one element, beyond the K <= 4096"):
+        kit.compare_results(inputs, actual, expected, atomic_grad_value=True)

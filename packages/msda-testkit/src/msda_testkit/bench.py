@@ -83,18 +83,19 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int) -> dict:
+def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto") -> dict:
     inputs = make_inputs(case, dtype, device=device)
     leaves = {k: (v.requires_grad_() if k in _DIFFERENTIABLE else v) for k, v in inputs.items()}
     grad_output = grad_output_for(inputs)
 
     def forward():
-        return torch.ops.msda.deform_attn(**leaves, backend=backend)
+        return torch.ops.msda.deform_attn(**leaves, backend=backend, grad_accum=grad_accum)
 
     def forward_backward():
         return torch.autograd.grad(forward(), [leaves[k] for k in _DIFFERENTIABLE], grad_output)
 
-    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend, "B": case.batch, "Q": case.queries}
+    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend, "grad_accum": grad_accum,
+           "B": case.batch, "Q": case.queries}
     row["fwd_ms"] = _median_ms(forward, device, repeats)
     row["bwd_ms"] = _median_ms(forward_backward, device, repeats) - row["fwd_ms"]
     if device.type == "cuda":
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="*", help="default: every backend that runs on the device")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the standard cases")
+    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"])
     parser.add_argument("--repeats", type=int, default=5, help="CPU timing repeats")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--plot", default="bench.png")
@@ -174,17 +176,17 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         for dtype_name in args.dtypes:
-            for backend in backends:
-                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats)
+            for backend, grad_accum in ((b, a) for b in backends for a in args.grad_accum):
+                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum)
                 if "copy_bandwidth_tb_s" in env:
                     bandwidth = env["copy_bandwidth_tb_s"] * 1e12
                     for key in ("fwd", "bwd"):
                         ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
                         row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
                 rows.append(row)
-                print(f"{row['case']} {row['dtype']} {backend}: fwd {row['fwd_ms']:.4g} ms, "
+                print(f"{row['case']} {row['dtype']} {backend} {grad_accum}: fwd {row['fwd_ms']:.4g} ms, "
                       f"bwd {row['bwd_ms']:.4g} ms", flush=True)
-    columns = ["case", "dtype", "backend", "fwd_ms", "bwd_ms", "fwd_graph_ms", "bwd_graph_ms", "peak_extra_mb",
+    columns = ["case", "dtype", "backend", "grad_accum", "fwd_ms", "bwd_ms", "fwd_graph_ms", "bwd_graph_ms", "peak_extra_mb",
                "fwd_bw_frac", "bwd_bw_frac"]
     columns = [c for c in columns if any(c in r for r in rows)]
     print(json.dumps(env))

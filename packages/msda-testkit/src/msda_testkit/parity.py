@@ -51,6 +51,31 @@ def near_pixel_kinks(inputs: dict) -> torch.Tensor:
     return near
 
 
+def max_contributions_per_element(inputs: dict) -> int:
+    """The largest number of in-map corner contributions that land on one element of grad_value (K):
+    how many atomic adds one element receives. Counted on the inputs' device."""
+    loc = inputs["sampling_locations"].double()
+    B, Q, M, L, P, _ = loc.shape
+    shapes = inputs["spatial_shapes"].tolist()
+    S = sum(h * w for h, w in shapes)
+    counts = torch.zeros(B * M * S, dtype=torch.int64, device=loc.device)
+    head = (torch.arange(B, device=loc.device).view(B, 1, 1, 1) * M
+            + torch.arange(M, device=loc.device).view(1, 1, M, 1)) * S
+    start = 0
+    for level, (H, W) in enumerate(shapes):
+        x, y = loc[:, :, :, level, :, 0] * W - 0.5, loc[:, :, :, level, :, 1] * H - 0.5
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        x0 = torch.floor(torch.where(finite, x, -2.0)).long()
+        y0 = torch.floor(torch.where(finite, y, -2.0)).long()
+        for dy in (0, 1):
+            for dx in (0, 1):
+                row, col = y0 + dy, x0 + dx
+                inside = finite & (row >= 0) & (row < H) & (col >= 0) & (col < W)
+                counts += torch.bincount((head + start + row * W + col)[inside], minlength=counts.numel())
+        start += H * W
+    return int(counts.max()) if counts.numel() else 0
+
+
 def compare_results(inputs: dict, actual: dict, expected: dict, *, atomic_grad_value: bool = False) -> list:
     """Judge each result with the tolerance of its own dtype (OP.md: gradients take their input's dtype).
 
@@ -66,8 +91,14 @@ def compare_results(inputs: dict, actual: dict, expected: dict, *, atomic_grad_v
                                                      else "gradient")
         if actual[name].dtype != dtypes[name]:
             raise AssertionError(f"{name}: dtype {actual[name].dtype}, expected {dtypes[name]}")
+        tol = tolerance(dtypes[name], effect)
+        if tol.max_contributions is not None and actual[name].numel():
+            k = max_contributions_per_element(inputs)
+            if k > tol.max_contributions:
+                raise ValueError(f"{name}: {k} atomic adds reach one element, beyond the K <= "
+                                 f"{tol.max_contributions} the ({dtypes[name]}, {effect!r}) tolerance holds for")
         ignore = near_pixel_kinks(inputs) if name == "grad_sampling_locations" else None
-        results.append(compare(name, actual[name], expected[name], tolerance(dtypes[name], effect), ignore))
+        results.append(compare(name, actual[name], expected[name], tol, ignore))
     return results
 
 

@@ -48,19 +48,25 @@ def rows_for(case, dtype, device, repeats):
     expected = reference(inputs, backend=_reference_backend(inputs))
     grad_output = grad_output_for(inputs)
     rows = []
+    device_ = inputs["value"].device
     for name, backend in sorted(msda_core.backends().items()):
-        reasons = backend.not_supported_reasons(msda_core.Inputs.of(inputs["value"], inputs["sampling_locations"]))
-        if reasons:
-            rows.append([case.name, str(dtype)[6:], name, "-", "-", "skipped: " + "; ".join(reasons)[:60]])
-            continue
-        device_ = inputs["value"].device
-        _, fwd_ms = _timed(lambda: run(inputs, name), device_, repeats)
-        actual, both_ms = _timed(lambda: run(inputs, name, grad_output), device_, repeats)
-        results = compare_results(inputs, actual, expected, atomic_grad_value=not backend.deterministic)
-        worst = max(results, key=lambda r: r.max_rel_err)
-        verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(r.name for r in results if not r.passed)
-        rows.append([case.name, str(dtype)[6:], name, f"{fwd_ms:.3g}", f"{both_ms - fwd_ms:.3g}",
-                     f"{verdict} (worst {worst.name} {worst.max_rel_err:.2g} of scale)"])
+        # backends that scatter with atomics are shown with both accumulation paths
+        for grad_accum in ("auto",) if backend.deterministic else ("native", "fp32"):
+            label = name if backend.deterministic else f"{name} ({grad_accum})"
+            reasons = backend.not_supported_reasons(msda_core.Inputs.of(inputs["value"], inputs["sampling_locations"],
+                                                                        grad_accum))
+            if reasons:
+                rows.append([case.name, str(dtype)[6:], label, "-", "-", "skipped: " + "; ".join(reasons)[:60]])
+                continue
+            _, fwd_ms = _timed(lambda: run(inputs, name, grad_accum=grad_accum), device_, repeats)
+            actual, both_ms = _timed(lambda: run(inputs, name, grad_output, grad_accum=grad_accum), device_, repeats)
+            atomic = not backend.deterministic and (grad_accum == "native" or dtype == torch.float32)
+            results = compare_results(inputs, actual, expected, atomic_grad_value=atomic)
+            worst = max(results, key=lambda r: r.max_rel_err)
+            verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(
+                r.name for r in results if not r.passed)
+            rows.append([case.name, str(dtype)[6:], label, f"{fwd_ms:.3g}", f"{both_ms - fwd_ms:.3g}",
+                         f"{verdict} (worst {worst.name} {worst.max_rel_err:.2g} of scale)"])
     return rows
 
 

@@ -9,7 +9,10 @@ Effects:
 - ``forward`` / ``gradient``: the kernel's own arithmetic (fp32 accumulation) and one rounding of the
   result to its dtype. Unit roundoff u: fp32 2^-24 ≈ 6e-8, fp16 2^-11 ≈ 4.9e-4, bf16 2^-8 ≈ 3.9e-3.
 - ``atomic``: grad_value scattered with atomic adds, whose order varies run to run; in a half dtype
-  (``grad_accum="native"``) every add also rounds the running sum.
+  (``grad_accum="native"``) every add also rounds the running sum. These entries hold for at most
+  ``max_contributions`` adds into one element (K); the comparison counts K on the actual inputs and
+  refuses to judge a case beyond it. The Deformable DETR encoder reaches K = 1427 on its 13x21 level
+  (22223 queries x 4 points x 4 corners over 273 pixels).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class Tolerance:
     rtol: float  # relative to each expected element
     atol: float  # relative to the tensor's scale (largest finite |expected|)
     reason: str
+    max_contributions: int | None = None  # atomic entries: the K per element they were derived for
 
 
 _FP32_SUMS = ("fp32 accumulation of sums of up to ~300 products (4 corners x D <= 71, or 4*L*P samples): "
@@ -37,26 +41,29 @@ TOLERANCES = {
         "gradients add D-long dot products, differences of corners and the W_l/H_l factor (up to 167x); "
         "1e-10 still catches any formula error, which is O(1)"),
     (torch.float64, "atomic"): Tolerance(1e-10, 1e-10,
-        "reordered float64 atomic adds err by <= K * 1.1e-16 for K <= 1e4 contributions per pixel; "
-        "held to the gradient entry"),
+        "reordered float64 atomic adds err by <= K * 1.1e-16 ~ 5e-13 for K <= 4096; held to the gradient entry",
+        max_contributions=4096),
     (torch.float32, "forward"): Tolerance(1e-5, 2e-5, _FP32_SUMS),
     (torch.float32, "gradient"): Tolerance(1e-5, 2e-5, _FP32_SUMS),
     (torch.float32, "atomic"): Tolerance(1e-5, 2e-5,
-        "fp32 atomic adds in any order: <= K * u ~ 1.5e-5 of the scale for K <= 256 contributions per pixel"),
+        "fp32 atomic adds in any order: random-sign reordering error ~ sqrt(K) * u = 3.8e-6 of the scale for "
+        "K <= 4096, under the fp32 arithmetic term: held to the gradient entry", max_contributions=4096),
     (torch.float16, "forward"): Tolerance(1e-3, 2e-5,
         "fp32 accumulation (atol, as fp32) then one rounding to fp16: <= u = 4.9e-4 relative; rtol = 2u"),
     (torch.float16, "gradient"): Tolerance(1e-3, 2e-5,
         "as the fp16 forward: fp32 arithmetic, one rounding of each gradient to fp16"),
-    (torch.float16, "atomic"): Tolerance(1e-3, 8e-3,
-        "native fp16 atomics round the running sum at each of K adds: random-sign error ~ sqrt(K) * u of "
-        "the scale; K <= 256 contributions per pixel gives 16u = 7.8e-3"),
+    (torch.float16, "atomic"): Tolerance(1e-3, 3.2e-2,
+        "native fp16 atomics round the running sum at each of K adds: random-sign error ~ sqrt(K) * u of the "
+        "scale; K <= 4096 gives 64u = 3.1e-2 (measured on the H200, encoder K = 1427: 1.1e-2)",
+        max_contributions=4096),
     (torch.bfloat16, "forward"): Tolerance(8e-3, 2e-5,
         "fp32 accumulation (atol, as fp32) then one rounding to bf16: <= u = 3.9e-3 relative; rtol = 2u"),
     (torch.bfloat16, "gradient"): Tolerance(8e-3, 2e-5,
         "as the bf16 forward: fp32 arithmetic, one rounding of each gradient to bf16"),
-    (torch.bfloat16, "atomic"): Tolerance(8e-3, 6.3e-2,
-        "native bf16 atomics round the running sum at each of K adds: ~ sqrt(K) * u of the scale; "
-        "K <= 256 gives 16u = 6.3e-2"),
+    (torch.bfloat16, "atomic"): Tolerance(8e-3, 0.25,
+        "native bf16 atomics round the running sum at each of K adds: ~ sqrt(K) * u of the scale; K <= 4096 "
+        "gives 64u = 0.25. That is why grad_accum='fp32' exists: it is held to the bf16 gradient entry",
+        max_contributions=4096),
 }
 
 

@@ -74,7 +74,7 @@ def _limits(inputs) -> list:
     if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
         return [f"needs compute capability 8.0+, {inputs.device} has "
                 f"{'.'.join(map(str, torch.cuda.get_device_capability(inputs.device)))}"]
-    if inputs.device.type == "cpu" and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
+    if INTERPRETED and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
         return ["Triton's interpreter has no bf16 atomic add: use grad_accum='fp32' or 'auto' on CPU"]
     return []
 
