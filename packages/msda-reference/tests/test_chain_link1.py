@@ -89,3 +89,17 @@ def test_mixed_precision_keeps_location_precision(dtype):
     err_mixed = (kit.run(inputs, "grid_sample")["output"].double() - exact).abs().max()
     err_rounded = (kit.run(rounded, "grid_sample")["output"].double() - exact).abs().max()
     assert err_rounded > 2 * err_mixed
+
+
+def test_export_records_the_op_and_matches_eager():
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float32)
+
+    class Layer(torch.nn.Module):
+        def forward(self, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
+                                              attention_weights)
+
+    exported = torch.export.export(Layer(), tuple(inputs.values()))
+    assert "msda.deform_attn" in str(exported.graph)
+    kit.assert_close("exported output", exported.module()(*inputs.values()), Layer()(**inputs),
+                     kit.tolerance(torch.float32, "forward"))

@@ -4,6 +4,10 @@ OP.md's bilinear sample is exactly ``grid_sample(bilinear, zeros, align_corners=
 ``2 * loc - 1``. Half inputs are computed in float32 (the reference of low-precision results, and the
 mixed half-value/fp32-location case, must not lose the locations' precision). Autograd is off inside an
 op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` directly.
+
+Non-finite locations: aten's CPU kernel samples NaN there, its CUDA kernel 0. This backend moves such
+points outside the map before aten sees them (no garbage index on any device) and writes NaN into their
+samples itself, so every device follows the CPU convention that all backends share.
 """
 
 from __future__ import annotations
@@ -20,25 +24,37 @@ def _compute_dtype(value, sampling_locations):
     return torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
 
 
+_OUTSIDE = -4.0  # a grid coordinate far outside [-1, 1]: zeros padding gives 0 and no gradient
+
+
 def _per_level(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) and weights as (B*M, Q, P)."""
+    """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) with non-finite points moved
+    outside the map, the mask of finite points (B*M, 1, Q, P) and weights as (B*M, Q, P)."""
     B, S, M, D = value.shape
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     dtype = _compute_dtype(value, sampling_locations)
     for l, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
         value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
         grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
+        finite_l = torch.isfinite(grid_l).all(-1)
+        grid_l = torch.where(finite_l[..., None], grid_l, _OUTSIDE)
         weights_l = attention_weights[:, :, :, l].to(dtype).permute(0, 2, 1, 3).reshape(B * M, Q, P)
-        yield l, (start, H, W), value_l, grid_l, weights_l
+        yield l, (start, H, W), value_l, grid_l, finite_l[:, None], weights_l
+
+
+def _sample(value_l, grid_l, finite_l):
+    """The bilinear samples (B*M, D, Q, P); NaN where the location was not finite."""
+    sampled = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return sampled.masked_fill(~finite_l, torch.nan)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
     Q = sampling_locations.shape[1]
     out = None
-    for _, _, value_l, grid_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
-                                                         sampling_locations, attention_weights):
-        sampled = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+    for _, _, value_l, grid_l, finite_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
+                                                                   sampling_locations, attention_weights):
+        sampled = _sample(value_l, grid_l, finite_l)
         term = (sampled * weights_l[:, None]).sum(-1)  # (B*M, D, Q)
         out = term if out is None else out + term
     return out.reshape(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D).to(value.dtype).contiguous()
@@ -52,9 +68,9 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     g = grad_output.to(dtype).reshape(B, Q, M, D).permute(0, 2, 3, 1).reshape(B * M, D, Q, 1)
     grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
     grad_locations, grad_weights = [], []
-    for l, (start, H, W), value_l, grid_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
-                                                                    sampling_locations, attention_weights):
-        sampled = F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False)
+    for l, (start, H, W), value_l, grid_l, finite_l, weights_l in _per_level(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        sampled = _sample(value_l, grid_l, finite_l)
         grad_weights.append((g * sampled).sum(1))  # (B*M, Q, P)
         grad_value_l, grad_grid_l = torch.ops.aten.grid_sampler_2d_backward(
             g * weights_l[:, None], value_l, grid_l, _BILINEAR, _ZEROS, False, [True, True])
@@ -62,8 +78,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
         grad_locations.append(2 * grad_grid_l)  # d(grid)/d(loc) = 2
     grad_locations = torch.stack(grad_locations, 1).reshape(B, M, L, Q, P, 2).permute(0, 3, 1, 2, 4, 5)
     grad_weights = torch.stack(grad_weights, 1).reshape(B, M, L, Q, P).permute(0, 3, 1, 2, 4)
-    # aten's grid gradient at a non-finite coordinate is NaN in one component only; the sample is NaN,
-    # so both components of the location gradient are NaN here, as in every other backend.
+    # a non-finite location's sample is NaN, so are both components of its gradient (every backend)
     finite = torch.isfinite(sampling_locations).all(-1, keepdim=True)
     grad_locations = torch.where(finite, grad_locations, torch.nan)
     return (grad_value.to(value.dtype), grad_locations.to(sampling_locations.dtype).contiguous(),

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
             for row in rows_for(case, dtype, device, args.repeats):
                 failed += row[-1].startswith("FAIL")
                 rows.append(row)
+                print("  ".join(row), flush=True)  # progress; the table follows
     print(f"msda report on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"torch {torch.__version__}, backends {sorted(msda_core.backends())}")
     print(tabulate(rows, headers=["case", "dtype", "backend", "fwd ms", "bwd ms", "against float64"]))
