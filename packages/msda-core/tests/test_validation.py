@@ -142,3 +142,30 @@ def test_non_tensor_is_rejected_by_the_schema(inputs):
     inputs["value"] = inputs["value"].tolist()
     with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'value'"):
         torch.ops.msda.deform_attn(**inputs)
+
+
+def test_level_values_are_read_once_per_tensor_version(inputs, spy_backend, monkeypatch):
+    """Reading spatial_shapes on CUDA syncs the device: the same live tensor, unmodified, is read once."""
+    reads = []
+    check = msda_core.validation._check_level_values
+    monkeypatch.setattr(msda_core.validation, "_check_level_values", lambda *a: reads.append(1) or check(*a))
+    torch.ops.msda.deform_attn(**inputs, backend="spy")
+    torch.ops.msda.deform_attn(**inputs, backend="spy")
+    assert len(reads) == 1
+    inputs["spatial_shapes"].add_(0)  # an in-place write bumps the version: read again
+    torch.ops.msda.deform_attn(**inputs, backend="spy")
+    assert len(reads) == 2
+    inputs["level_start_index"] = inputs["level_start_index"].clone()  # another starts tensor: read again
+    torch.ops.msda.deform_attn(**inputs, backend="spy")
+    assert len(reads) == 3
+    inputs["spatial_shapes"][1, 0] = 4  # an invalid in-place edit is caught
+    with pytest.raises(ValueError, match="^spatial_shapes: expected sum"):
+        torch.ops.msda.deform_attn(**inputs, backend="spy")
+
+
+def test_memo_entry_goes_with_the_tensor(inputs, spy_backend):
+    torch.ops.msda.deform_attn(**inputs, backend="spy")
+    key = id(inputs["spatial_shapes"])
+    assert key in msda_core.validation._checked_levels
+    del inputs["spatial_shapes"]
+    assert key not in msda_core.validation._checked_levels

@@ -9,6 +9,8 @@ that must precede a capture have run them).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -85,8 +87,34 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
         if t.device != value.device:
             raise ValueError(f"{arg}: expected device {value.device} (the device of value), got {t.device}")
 
-    if all(_can_read_values(t) for t in tensors.values()):
+    if all(_can_read_values(t) for t in tensors.values()) and not _already_checked(S, spatial_shapes,
+                                                                                   level_start_index):
         _check_level_values(S, spatial_shapes, level_start_index)
+        _remember_checked(S, spatial_shapes, level_start_index)
+
+
+# Reading spatial_shapes on CUDA synchronizes with the device, so each live index tensor is read once
+# per version: id(spatial_shapes) -> (S, its version, level_start_index's id and version). A live
+# object keeps its id, any in-place write bumps its version, and the entry goes when the tensor does.
+_checked_levels: dict = {}
+
+
+def _level_key(S, spatial_shapes, level_start_index):
+    starts = None if level_start_index is None else (id(level_start_index), level_start_index._version)
+    return S, spatial_shapes._version, starts
+
+
+def _already_checked(S, spatial_shapes, level_start_index) -> bool:
+    return _checked_levels.get(id(spatial_shapes)) == _level_key(S, spatial_shapes, level_start_index)
+
+
+def _remember_checked(S, spatial_shapes, level_start_index) -> None:
+    key = id(spatial_shapes)
+    if key not in _checked_levels:
+        weakref.finalize(spatial_shapes, _checked_levels.pop, key, None)
+    if level_start_index is not None:  # its id must not be reused while the entry names it
+        weakref.finalize(level_start_index, _checked_levels.pop, key, None)
+    _checked_levels[key] = _level_key(S, spatial_shapes, level_start_index)
 
 
 def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> None:

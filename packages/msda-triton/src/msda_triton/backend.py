@@ -36,37 +36,52 @@ def _sizes(value, sampling_locations):
     return B * Q * M, Q, S, M, D, L, P
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    value, sampling_locations, attention_weights = (t.contiguous() for t in (value, sampling_locations,
-                                                                              attention_weights))
+def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out,
+                   blocks=None, num_warps=4):
+    """Run forward_kernel on contiguous tensors into ``out``; ``blocks`` overrides kernels.block_sizes."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
-    out = value.new_empty(sampling_locations.shape[0], sampling_locations.shape[1], value.shape[2] * D)
-    block_r, block_d = kernels.block_sizes(D)
+    block_r, block_d = blocks or kernels.block_sizes(D)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(D, block_d))
     with _on_device(value):
-        kernels.forward_kernel[grid](value, spatial_shapes.contiguous(), level_start_index.contiguous(),
-                                     sampling_locations, attention_weights, out, *sizes,
-                                     BLOCK_R=block_r, BLOCK_D=block_d)
+        kernels.forward_kernel[grid](value, spatial_shapes, level_start_index, sampling_locations,
+                                     attention_weights, out, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
+                                     num_warps=num_warps)
+
+
+def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                    grad_value, grad_locations, grad_weights, blocks=None, num_warps=4):
+    """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into)."""
+    sizes = _sizes(value, sampling_locations)
+    n_rows, D = sizes[0], sizes[4]
+    block_r, block_d = blocks or kernels.block_sizes(D)
+    with _on_device(value):
+        kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
+            grad_value, grad_locations, grad_weights, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=num_warps)
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
+        t.contiguous() for t in (value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
+    B, Q = sampling_locations.shape[:2]
+    out = value.new_empty(B, Q, value.shape[2] * value.shape[3])
+    launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out)
     return out
 
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              grad_accum):
-    grad_output, value, sampling_locations, attention_weights = (
-        t.contiguous() for t in (grad_output, value, sampling_locations, attention_weights))
-    sizes = _sizes(value, sampling_locations)
-    n_rows, D = sizes[0], sizes[4]
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
+        t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights))
     in_fp32 = accumulates_in_fp32(value.dtype, value.device, grad_accum)
     grad_value = torch.zeros(value.shape, dtype=torch.float32 if in_fp32 else value.dtype, device=value.device)
     grad_locations = torch.empty_like(sampling_locations)
     grad_weights = torch.empty_like(attention_weights)
-    block_r, block_d = kernels.block_sizes(D)
-    with _on_device(value):
-        kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
-            value, spatial_shapes.contiguous(), level_start_index.contiguous(), sampling_locations,
-            attention_weights, grad_output, grad_value, grad_locations, grad_weights, *sizes,
-            BLOCK_R=block_r, BLOCK_D=block_d)
+    launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                    grad_value, grad_locations, grad_weights)
     return grad_value.to(value.dtype), grad_locations, grad_weights
 
 

@@ -1,0 +1,56 @@
+"""``python -m msda_triton.tune``: time the kernels over block shapes and warps on one case (GPU).
+
+A measuring tool for choosing kernels.block_sizes, not part of the op: each configuration is timed by
+replaying a CUDA graph of the bare kernel launch (no host overhead), median of triton.testing's runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton.testing
+from tabulate import tabulate
+
+import msda_testkit as kit
+from msda_core.validation import level_starts
+
+from .backend import launch_backward, launch_forward
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="encoder_b2")
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8])
+    args = parser.parse_args(argv)
+    rows = []
+    for dtype_name in args.dtypes:
+        inputs = kit.make_inputs(kit.case(args.case), DTYPES[dtype_name], device="cuda")
+        value, shapes, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "sampling_locations",
+                                                          "attention_weights"))
+        starts = torch.tensor(level_starts(kit.case(args.case).levels), device="cuda")
+        D = value.shape[3]
+        out = value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * D)
+        grad_output = kit.grad_output_for(inputs)
+        grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
+                 torch.empty_like(weights))
+        for block_r, warps in itertools.product(args.block_r, args.warps):
+            blocks = (block_r, min(triton.next_power_of_2(D), 64))
+            fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
+                value, shapes, starts, loc, weights, out, blocks, warps))
+            bwd = triton.testing.do_bench_cudagraph(lambda: launch_backward(
+                grad_output, value, shapes, starts, loc, weights, *grads, blocks, warps))
+            rows.append([args.case, dtype_name, block_r, blocks[1], warps, fwd, bwd])
+            print(rows[-1], flush=True)
+    print(tabulate(rows, headers=["case", "dtype", "BLOCK_R", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"],
+                   floatfmt=".4g"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
