@@ -1,6 +1,7 @@
 """Sessions: cpu (all tests runnable without a GPU; Triton kernels through its interpreter), compile_ptx
 (every Triton kernel variant compiled for sm_80 and sm_90 without a GPU), gpu (the full suite on a CUDA
-machine, offline, with that machine's torch and Triton), report (every backend on every case, one table).
+machine, offline, with that machine's torch and Triton), report (every backend on every case, one table),
+bench (times of every backend: on a GPU machine run `python -m msda_testkit.bench` there, it is offline).
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
 """
@@ -62,3 +63,10 @@ def report(session):
     session.install(TORCH, "setuptools>=70.1", "tabulate", "triton")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_testkit.report", *session.posargs)
+
+
+@nox.session
+def bench(session):
+    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton", "matplotlib")
+    install_ours(session, *PACKAGES)
+    session.run("python", "-m", "msda_testkit.bench", *session.posargs)

@@ -169,3 +169,17 @@ def test_memo_entry_goes_with_the_tensor(inputs, spy_backend):
     assert key in msda_core.validation._checked_levels
     del inputs["spatial_shapes"]
     assert key not in msda_core.validation._checked_levels
+
+
+def test_inference_mode_tensors_are_read_every_call(spy_backend, monkeypatch):
+    """They have no version counter, so an in-place edit could not be seen: no memo for them."""
+    reads = []
+    check = msda_core.validation._check_level_values
+    monkeypatch.setattr(msda_core.validation, "_check_level_values", lambda *a: reads.append(1) or check(*a))
+    with torch.inference_mode():
+        inputs = tiny_inputs()
+        torch.ops.msda.deform_attn(**inputs, backend="spy")
+        inputs["spatial_shapes"][1, 0] = 4
+        with pytest.raises(ValueError, match="^spatial_shapes: expected sum"):
+            torch.ops.msda.deform_attn(**inputs, backend="spy")
+    assert len(reads) == 2

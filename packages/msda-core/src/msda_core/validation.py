@@ -96,6 +96,7 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
 # Reading spatial_shapes on CUDA synchronizes with the device, so each live index tensor is read once
 # per version: id(spatial_shapes) -> (S, its version, level_start_index's id and version). A live
 # object keeps its id, any in-place write bumps its version, and the entry goes when the tensor does.
+# Tensors made under torch.inference_mode() have no version counter: they are read on every call.
 _checked_levels: dict = {}
 
 
@@ -104,11 +105,18 @@ def _level_key(S, spatial_shapes, level_start_index):
     return S, spatial_shapes._version, starts
 
 
+def _versioned(spatial_shapes, level_start_index) -> bool:
+    return not (spatial_shapes.is_inference() or (level_start_index is not None and level_start_index.is_inference()))
+
+
 def _already_checked(S, spatial_shapes, level_start_index) -> bool:
-    return _checked_levels.get(id(spatial_shapes)) == _level_key(S, spatial_shapes, level_start_index)
+    return (_versioned(spatial_shapes, level_start_index)
+            and _checked_levels.get(id(spatial_shapes)) == _level_key(S, spatial_shapes, level_start_index))
 
 
 def _remember_checked(S, spatial_shapes, level_start_index) -> None:
+    if not _versioned(spatial_shapes, level_start_index):
+        return
     key = id(spatial_shapes)
     if key not in _checked_levels:
         weakref.finalize(spatial_shapes, _checked_levels.pop, key, None)
