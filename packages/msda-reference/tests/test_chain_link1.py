@@ -4,6 +4,7 @@ against finite differences, and the op's registration against torch.library's ow
 import pytest
 import torch
 
+import msda_core
 import msda_testkit as kit
 
 
@@ -13,8 +14,25 @@ def test_naive_matches_grid_sample_in_float64(case):
     kit.assert_parity(inputs, "naive", "grid_sample")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
+def test_gather_matches_naive(case, dtype):
+    kit.assert_parity(kit.make_inputs(case, dtype), "gather", "naive")
+
+
+def test_gather_backward_replays_bitwise():
+    """Its backward is grid_sample's CPU backward, which adds in a fixed order: it declares itself
+    deterministic, and replays must agree bit for bit."""
+    inputs = kit.make_inputs(kit.case("decoder_small"), torch.float32)
+    grad_output = kit.grad_output_for(inputs)
+    first, second = (kit.run(inputs, "gather", grad_output) for _ in range(2))
+    assert msda_core.backends()["gather"].deterministic
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
 @pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS)
-@pytest.mark.parametrize("backend", ["naive", "grid_sample"])
+@pytest.mark.parametrize("backend", ["naive", "grid_sample", "gather"])
 def test_gradcheck(backend, head_dim):
     """Finite differences of the op itself; samples kept away from pixel kinks (OP.md)."""
     case = kit.Case(f"gradcheck_d{head_dim}", head_dim=head_dim, layout="away_from_pixels", loc_range=(-0.2, 1.2))
@@ -35,11 +53,12 @@ def test_opcheck_both_ops(case):
     for k in ("value", "sampling_locations", "attention_weights"):
         inputs[k].requires_grad_()
     args = tuple(inputs.values())
-    torch.library.opcheck(torch.ops.msda.deform_attn.default, args, {"backend": "grid_sample"})
     grad = kit.grad_output_for(inputs)
     detached = tuple(a.detach() if a is not None else None for a in args)
-    torch.library.opcheck(torch.ops.msda.deform_attn_backward.default, (grad,) + detached,
-                          {"backend": "grid_sample", "grad_accum": "auto"})
+    for backend in ("grid_sample", "gather"):
+        torch.library.opcheck(torch.ops.msda.deform_attn.default, args, {"backend": backend})
+        torch.library.opcheck(torch.ops.msda.deform_attn_backward.default, (grad,) + detached,
+                              {"backend": backend, "grad_accum": "auto"})
 
 
 def test_compile_fullgraph_matches_eager():

@@ -6,9 +6,9 @@ import msda_core
 import msda_testkit as kit
 
 
-def test_auto_runs_grid_sample_on_cpu_and_matches_float64():
+def test_auto_runs_gather_on_cpu_and_matches_float64():
     inputs = kit.make_inputs(kit.case("decoder_small"), torch.float32)
-    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "grid_sample"
+    assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "gather"
     with torch.inference_mode():
         out = torch.ops.msda.deform_attn(**inputs)
     expected = kit.run(kit.upcast(inputs), "grid_sample")["output"]

@@ -20,7 +20,7 @@ from msda_core import Backend
 _BILINEAR, _ZEROS = 0, 0  # aten's enum values for mode="bilinear", padding_mode="zeros"
 
 
-def _compute_dtype(value, sampling_locations):
+def compute_dtype(value, sampling_locations):
     return torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
 
 
@@ -32,7 +32,7 @@ def _per_level(value, spatial_shapes, level_start_index, sampling_locations, att
     outside the map, the mask of finite points (B*M, 1, Q, P) and weights as (B*M, Q, P)."""
     B, S, M, D = value.shape
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
-    dtype = _compute_dtype(value, sampling_locations)
+    dtype = compute_dtype(value, sampling_locations)
     for l, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
         value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
         grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
@@ -64,7 +64,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
              grad_accum):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    dtype = _compute_dtype(value, sampling_locations)
+    dtype = compute_dtype(value, sampling_locations)
     g = grad_output.to(dtype).reshape(B, Q, M, D).permute(0, 2, 3, 1).reshape(B * M, D, Q, 1)
     grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
     grad_locations, grad_weights = [], []

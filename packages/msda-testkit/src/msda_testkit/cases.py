@@ -25,7 +25,7 @@ class Case:
     levels: tuple = TINY_LEVELS
     points: int = 2
     loc_range: tuple = (0.0, 1.0)
-    layout: str = "random"  # random | pixel_centres | map_corners | away_from_pixels | nonfinite
+    layout: str = "random"  # random | pixel_centres | map_corners | away_from_pixels | nonfinite (and huge)
     contiguous: bool = True
     pass_level_start: bool = True
     index_dtype: torch.dtype = torch.int64
@@ -99,7 +99,7 @@ def _locations(c: Case, g: torch.Generator) -> torch.Tensor:
     elif c.layout == "nonfinite":
         flat = loc.view(-1, 2)
         n = flat.shape[0]
-        for i, bad in enumerate((math.nan, math.inf, -math.inf)):
+        for i, bad in enumerate((math.nan, math.inf, -math.inf, 1e30, -1e30)):  # huge: no int overflow
             flat[(7 * i + 3) % n, i % 2] = bad
     return loc
 
