@@ -6,8 +6,9 @@ mixed half-value/fp32-location case, must not lose the locations' precision). Au
 op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` directly.
 
 Non-finite locations: aten's CPU kernel samples NaN there, its CUDA kernel 0. This backend moves such
-points outside the map before aten sees them (no garbage index on any device) and writes NaN into their
-samples itself, so every device follows the CPU convention that all backends share.
+points outside the map before aten sees them and writes NaN into their samples itself, so every device
+follows the CPU convention that all backends share. Huge finite points (|grid| > 3: every corner off the
+map) are moved to the same place, so aten never converts an out-of-range coordinate to an integer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _per_level(value, spatial_shapes, level_start_index, sampling_locations, att
         value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
         grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
         finite_l = torch.isfinite(grid_l).all(-1)
-        grid_l = torch.where(finite_l[..., None], grid_l, _OUTSIDE)
+        near_l = (grid_l.abs() <= 3).all(-1)  # False for NaN too
+        grid_l = torch.where(near_l[..., None], grid_l, _OUTSIDE)
         weights_l = attention_weights[:, :, :, l].to(dtype).permute(0, 2, 1, 3).reshape(B * M, Q, P)
         yield l, (start, H, W), value_l, grid_l, finite_l[:, None], weights_l
 
