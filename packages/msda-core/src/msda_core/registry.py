@@ -55,7 +55,8 @@ class Backend:
     dtypes: frozenset  # dtypes of value it accepts
     auto_devices: frozenset = frozenset()  # device types on which "auto" may choose it
     priority: int = 0  # "auto" prefers higher
-    deterministic: bool = True  # backward bitwise reproducible run to run (False: atomic scatter of grad_value)
+    deterministic_on: frozenset = frozenset()  # device types where its backward replays bit for bit
+    accumulation_switch: bool = False  # honors grad_accum (it scatters grad_value with atomic adds)
     limits: Callable[[Inputs], list] = field(default=lambda inputs: [])  # further reasons it can't run
 
     def not_supported_reasons(self, inputs: Inputs) -> list:

@@ -94,5 +94,6 @@ BACKEND = Backend(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset({"cpu", "cuda"}),
+    deterministic_on=frozenset({"cpu"}),  # aten's CUDA backward scatters with atomicAdd
     priority=10,
 )

@@ -51,8 +51,8 @@ def rows_for(case, dtype, device, repeats):
     device_ = inputs["value"].device
     for name, backend in sorted(msda_core.backends().items()):
         # backends that scatter with atomics are shown with both accumulation paths
-        for grad_accum in ("auto",) if backend.deterministic else ("native", "fp32"):
-            label = name if backend.deterministic else f"{name} ({grad_accum})"
+        for grad_accum in ("native", "fp32") if backend.accumulation_switch else ("auto",):
+            label = f"{name} ({grad_accum})" if backend.accumulation_switch else name
             reasons = backend.not_supported_reasons(msda_core.Inputs.of(inputs["value"], inputs["sampling_locations"],
                                                                         grad_accum))
             if reasons:
@@ -60,7 +60,8 @@ def rows_for(case, dtype, device, repeats):
                 continue
             _, fwd_ms = _timed(lambda: run(inputs, name, grad_accum=grad_accum), device_, repeats)
             actual, both_ms = _timed(lambda: run(inputs, name, grad_output, grad_accum=grad_accum), device_, repeats)
-            atomic = not backend.deterministic and (grad_accum == "native" or dtype == torch.float32)
+            atomic = device_.type not in backend.deterministic_on and (
+                grad_accum == "native" or dtype == torch.float32 or not backend.accumulation_switch)
             results = compare_results(inputs, actual, expected, atomic_grad_value=atomic)
             worst = max(results, key=lambda r: r.max_rel_err)
             verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(

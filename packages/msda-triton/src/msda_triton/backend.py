@@ -102,6 +102,6 @@ BACKEND = Backend(
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
     auto_devices=frozenset({"cuda"}),  # on CPU the interpreter is for testing, never chosen by auto
     priority=100,
-    deterministic=False,  # grad_value is scattered with atomic adds
+    accumulation_switch=True,  # grad_value is scattered with atomic adds: deterministic on no device
     limits=_limits,
 )
