@@ -10,18 +10,20 @@ import msda_core
 from msda_core import BackendUnavailableError, registry
 
 
-def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0):
+def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0,
+         deterministic_on=()):
     """A backend whose output tells which backend ran: every element equals ``scale``."""
     def forward(value, shapes, starts, loc, weights):
         B, Q = loc.shape[:2]
         return value.new_full((B, Q, value.shape[2] * value.shape[3]), scale)
 
-    def backward(grad, value, shapes, starts, loc, weights, grad_accum):
+    def backward(grad, value, shapes, starts, loc, weights, grad_accum, deterministic):
         return (torch.full_like(value, scale), torch.full_like(loc, scale), torch.full_like(weights, scale))
 
     kwargs = {"limits": limits} if limits else {}
     return msda_core.Backend(name, forward, backward, devices=frozenset({"cpu"}), dtypes=frozenset(dtypes),
-                             auto_devices=frozenset(auto_devices), priority=priority, **kwargs)
+                             auto_devices=frozenset(auto_devices), priority=priority,
+                             deterministic_on=frozenset(deterministic_on), **kwargs)
 
 
 @pytest.fixture
@@ -138,3 +140,19 @@ def test_double_backward_is_a_clear_error(toys):
     (grad,) = torch.autograd.grad(out.square().sum(), inp["value"], create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
         grad.sum().backward()
+
+
+def test_deterministic_backward_refuses_backends_that_are_not(toys):
+    msda_core.register(_toy("steady", priority=2, scale=5.0, deterministic_on=("cpu",)))
+    inp = tiny_inputs()
+    inp["value"].requires_grad_(True)
+    out = torch.ops.msda.deform_attn(**inp, backend="fast", deterministic=True)  # the forward is always fine
+    with pytest.raises(BackendUnavailableError, match="'fast' cannot run .*its backward is not deterministic on 'cpu'"):
+        torch.autograd.grad(out.sum(), inp["value"])
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = torch.ops.msda.deform_attn(**inp)  # None follows torch: auto's backward skips to "steady"
+        (grad,) = torch.autograd.grad(out.sum(), inp["value"])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert out.flatten()[0].item() == 2.0 and grad.flatten()[0].item() == 5.0

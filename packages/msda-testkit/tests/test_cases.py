@@ -91,4 +91,4 @@ def test_atomic_tolerance_refuses_cases_beyond_its_premise():
     inputs = kit.make_inputs(c, torch.float32)
     actual = expected = {"grad_value": torch.zeros_like(inputs["value"])}
     with pytest.raises(ValueError, match="6000 atomic adds reach one element, beyond the K <= 4096"):
-        kit.compare_results(inputs, actual, expected, atomic_grad_value=True)
+        kit.compare_results(inputs, actual, expected, grad_value_effect="atomic")

@@ -26,5 +26,7 @@ def test_every_dtype_has_every_effect():
     for dtype in UNIT_ROUNDOFF:
         for effect in ("forward", "gradient", "atomic"):
             kit.tolerance(dtype, effect)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):  # the Triton backend's deterministic mode
+        kit.tolerance(dtype, "fixed_point")
     with pytest.raises(KeyError, match="no tolerance for dtype torch.int32"):
         kit.tolerance(torch.int32, "forward")

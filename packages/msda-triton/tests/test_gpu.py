@@ -1,9 +1,11 @@
 """What only a GPU can show: realistic shapes, 64-bit offsets, other devices, graph capture, compile."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_env import gpu_only
-from test_kernels import VARIANTS, _id, assert_triton_parity
+from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
 
 import msda_core
 import msda_testkit as kit
@@ -107,3 +109,32 @@ def test_compile_fullgraph():
     (compiled_grad,) = torch.autograd.grad(compiled, value)
     kit.assert_close("loss", compiled, eager, kit.tolerance(F32, "forward"))
     kit.assert_close("grad_value", compiled_grad, eager_grad, kit.tolerance(torch.bfloat16, "atomic"))
+
+
+def _forward_backward(grad_output, **op_kwargs):
+    return lambda **inputs: kit.run(inputs, "triton", grad_output, **op_kwargs)
+
+
+def test_negative_control_atomics_differ_between_replays():
+    """The replay check must be able to see nondeterminism: fp32 atomics on a crowded map do differ."""
+    inputs = kit.make_inputs(replace(CROWDED, queries=20000, head_dim=32), F32, device="cuda")
+    grad_output = kit.grad_output_for(inputs)
+    with pytest.raises(AssertionError, match="grad_value: .* elements differ"):
+        kit.assert_replays_bit_exact(_forward_backward(grad_output, grad_accum="native"), inputs, replays=10,
+                                     contention=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, torch.bfloat16])
+@pytest.mark.parametrize("case", [replace(CROWDED, queries=20000, head_dim=32), kit.case("encoder_b2")],
+                         ids=lambda c: c.name)
+def test_deterministic_mode_replays_bit_exact(case, dtype):
+    inputs = kit.make_inputs(case, dtype, device="cuda")
+    grad_output = kit.grad_output_for(inputs)
+    kit.assert_replays_bit_exact(_forward_backward(grad_output, deterministic=True), inputs, replays=10,
+                                 contention=True)
+
+
+def test_deterministic_request_refuses_grid_sample_on_cuda():
+    inputs = kit.make_inputs(kit.case("tiny"), F32, device="cuda")
+    with pytest.raises(msda_core.BackendUnavailableError, match="its backward is not deterministic on 'cuda'"):
+        kit.run(inputs, "grid_sample", kit.grad_output_for(inputs), deterministic=True)

@@ -15,12 +15,12 @@ from .validation import check_grad_accum, check_inputs
 torch.library.define(
     "msda::deform_attn",
     "(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
-    "Tensor attention_weights, *, str backend='auto', str grad_accum='auto') -> Tensor",
+    "Tensor attention_weights, *, str backend='auto', str grad_accum='auto', bool? deterministic=None) -> Tensor",
 )
 torch.library.define(
     "msda::deform_attn_backward",
     "(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor? level_start_index, "
-    "Tensor sampling_locations, Tensor attention_weights, *, str backend, str grad_accum) "
+    "Tensor sampling_locations, Tensor attention_weights, *, str backend, str grad_accum, bool? deterministic=None) "
     "-> (Tensor, Tensor, Tensor)",
 )
 
@@ -35,11 +35,13 @@ def _is_empty(value, sampling_locations) -> bool:
     return value.numel() == 0 or sampling_locations.numel() == 0
 
 
-def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum):
+def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum,
+             deterministic=False):
     """Validate, pick the backend, and derive level_start_index; shared by the forward and backward ops."""
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    chosen = registry.resolve(registry.requested(backend), registry.Inputs.of(value, sampling_locations, grad_accum))
+    inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
+    chosen = registry.resolve(registry.requested(backend), inputs)
     if level_start_index is None:  # on the device: no host sync, so it also works inside graph capture
         sizes = spatial_shapes.to(torch.int64).prod(1)
         level_start_index = sizes.cumsum(0) - sizes
@@ -48,7 +50,8 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
 
 @torch.library.impl("msda::deform_attn", "default")
 def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                 backend="auto", grad_accum="auto"):
+                 backend="auto", grad_accum="auto", deterministic=None):
+    # the forward of every backend is deterministic; the flag matters to the backward only
     chosen, level_start_index = _prepare(value, spatial_shapes, level_start_index, sampling_locations,
                                          attention_weights, backend, grad_accum)
     if _is_empty(value, sampling_locations):
@@ -58,7 +61,7 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
 
 @torch.library.register_fake("msda::deform_attn")
 def _deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                      backend="auto", grad_accum="auto"):
+                      backend="auto", grad_accum="auto", deterministic=None):
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return value.new_empty(_output_shape(value, sampling_locations))
@@ -66,19 +69,21 @@ def _deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locatio
 
 @torch.library.impl("msda::deform_attn_backward", "default")
 def _deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                          attention_weights, *, backend, grad_accum):
+                          attention_weights, *, backend, grad_accum, deterministic=None):
+    if deterministic is None:  # as torch's own ops: follow torch.use_deterministic_algorithms
+        deterministic = torch.are_deterministic_algorithms_enabled()
     chosen, level_start_index = _prepare(value, spatial_shapes, level_start_index, sampling_locations,
-                                         attention_weights, backend, grad_accum)
+                                         attention_weights, backend, grad_accum, deterministic)
     _check_grad_output(grad_output, value, sampling_locations)
     if _is_empty(value, sampling_locations):
         return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
     return chosen.backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                           attention_weights, grad_accum)
+                           attention_weights, grad_accum, deterministic)
 
 
 @torch.library.register_fake("msda::deform_attn_backward")
 def _deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, *, backend, grad_accum):
+                               attention_weights, *, backend, grad_accum, deterministic=None):
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     _check_grad_output(grad_output, value, sampling_locations)
@@ -101,6 +106,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
     ctx.backend = registry.requested(keyword_only_inputs["backend"])
     ctx.grad_accum = keyword_only_inputs["grad_accum"]
+    ctx.deterministic = keyword_only_inputs["deterministic"]
     ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
@@ -108,7 +114,7 @@ def _backward(ctx, grad_output):
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
     grad_value, grad_locations, grad_weights = torch.ops.msda.deform_attn_backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        backend=ctx.backend, grad_accum=ctx.grad_accum,
+        backend=ctx.backend, grad_accum=ctx.grad_accum, deterministic=ctx.deterministic,
     )
     return grad_value, None, None, grad_locations, grad_weights
 
@@ -128,7 +134,8 @@ torch.library.register_autograd("msda::deform_attn_backward", _double_backward, 
 
 
 def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                backend: str = "auto", grad_accum: str = "auto") -> torch.Tensor:
+                backend: str = "auto", grad_accum: str = "auto", deterministic: bool | None = None) -> torch.Tensor:
     """Multi-scale deformable attention; returns (B, Q, M*D) in value's dtype. See the README for the math."""
     return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
-                                      attention_weights, backend=backend, grad_accum=grad_accum)
+                                      attention_weights, backend=backend, grad_accum=grad_accum,
+                                      deterministic=deterministic)

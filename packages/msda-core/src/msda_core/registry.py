@@ -37,11 +37,14 @@ class Inputs:
     levels: int
     points: int
     grad_accum: str
+    deterministic: bool  # a bitwise-reproducible backward is required
 
     @classmethod
-    def of(cls, value: torch.Tensor, sampling_locations: torch.Tensor, grad_accum: str = "auto") -> "Inputs":
+    def of(cls, value: torch.Tensor, sampling_locations: torch.Tensor, grad_accum: str = "auto",
+           deterministic: bool = False) -> "Inputs":
         B, Q, M, L, P, _ = sampling_locations.shape
-        return cls(value.device, value.dtype, sampling_locations.dtype, B, Q, M, value.shape[3], L, P, grad_accum)
+        return cls(value.device, value.dtype, sampling_locations.dtype, B, Q, M, value.shape[3], L, P, grad_accum,
+                   deterministic)
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,14 @@ class Backend:
 
     name: str
     forward: Callable  # (value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> out
-    backward: Callable  # (grad_output, value, ..., attention_weights, grad_accum) -> (g_value, g_loc, g_weights)
+    backward: Callable  # (grad_output, value, ..., attention_weights, grad_accum, deterministic) -> 3 gradients
     devices: frozenset  # device types it runs on
     dtypes: frozenset  # dtypes of value it accepts
     auto_devices: frozenset = frozenset()  # device types on which "auto" may choose it
     priority: int = 0  # "auto" prefers higher
     deterministic_on: frozenset = frozenset()  # device types where its backward replays bit for bit
     accumulation_switch: bool = False  # honors grad_accum (it scatters grad_value with atomic adds)
+    deterministic_mode: bool = False  # makes its backward bitwise reproducible on any device when asked
     limits: Callable[[Inputs], list] = field(default=lambda inputs: [])  # further reasons it can't run
 
     def not_supported_reasons(self, inputs: Inputs) -> list:
@@ -65,6 +69,8 @@ class Backend:
             reasons.append(f"device type {inputs.device.type!r} not in {sorted(self.devices)}")
         if inputs.value_dtype not in self.dtypes:
             reasons.append(f"dtype {inputs.value_dtype} not supported")
+        if inputs.deterministic and inputs.device.type not in self.deterministic_on and not self.deterministic_mode:
+            reasons.append(f"its backward is not deterministic on {inputs.device.type!r}")
         return reasons + list(self.limits(inputs))
 
 
@@ -187,5 +193,5 @@ def _describe(inputs: Inputs) -> str:
     return (
         f"device={inputs.device}, value dtype={inputs.value_dtype}, location dtype={inputs.location_dtype}, "
         f"B={inputs.batch}, Q={inputs.queries}, M={inputs.heads}, D={inputs.head_dim}, "
-        f"L={inputs.levels}, P={inputs.points}, grad_accum={inputs.grad_accum!r}"
+        f"L={inputs.levels}, P={inputs.points}, grad_accum={inputs.grad_accum!r}, deterministic={inputs.deterministic}"
     )

@@ -63,7 +63,7 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
 
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum):
+             grad_accum, deterministic):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = compute_dtype(value, sampling_locations)

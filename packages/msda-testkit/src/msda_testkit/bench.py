@@ -84,18 +84,21 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto") -> dict:
+def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto",
+            deterministic: bool = False) -> dict:
     inputs = make_inputs(case, dtype, device=device)
     leaves = {k: (v.requires_grad_() if k in _DIFFERENTIABLE else v) for k, v in inputs.items()}
     grad_output = grad_output_for(inputs)
 
     def forward():
-        return torch.ops.msda.deform_attn(**leaves, backend=backend, grad_accum=grad_accum)
+        return torch.ops.msda.deform_attn(**leaves, backend=backend, grad_accum=grad_accum,
+                                          deterministic=deterministic)
 
     def forward_backward():
         return torch.autograd.grad(forward(), [leaves[k] for k in _DIFFERENTIABLE], grad_output)
 
-    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend, "grad_accum": grad_accum,
+    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend,
+           "grad_accum": "deterministic" if deterministic else grad_accum,
            "B": case.batch, "Q": case.queries}
     row["fwd_ms"] = _median_ms(forward, device, repeats)
     row["bwd_ms"] = _median_ms(forward_backward, device, repeats) - row["fwd_ms"]
@@ -163,6 +166,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the standard cases")
     parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"])
+    parser.add_argument("--deterministic", action="store_true", help="the deterministic backward")
     parser.add_argument("--repeats", type=int, default=5, help="CPU: the fewest timed runs (and >= 1 s of them)")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--plot", default="bench.png")
@@ -178,14 +182,15 @@ def main(argv=None) -> int:
     for case in cases:
         for dtype_name in args.dtypes:
             for backend, grad_accum in ((b, a) for b in backends for a in args.grad_accum):
-                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum)
+                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum,
+                              args.deterministic)
                 if "copy_bandwidth_tb_s" in env:
                     bandwidth = env["copy_bandwidth_tb_s"] * 1e12
                     for key in ("fwd", "bwd"):
                         ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
                         row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
                 rows.append(row)
-                print(f"{row['case']} {row['dtype']} {backend} {grad_accum}: fwd {row['fwd_ms']:.4g} ms, "
+                print(f"{row['case']} {row['dtype']} {backend} {row['grad_accum']}: fwd {row['fwd_ms']:.4g} ms, "
                       f"bwd {row['bwd_ms']:.4g} ms", flush=True)
     columns = ["case", "dtype", "backend", "grad_accum", "fwd_ms", "bwd_ms", "fwd_graph_ms", "bwd_graph_ms", "peak_extra_mb",
                "fwd_bw_frac", "bwd_bw_frac"]

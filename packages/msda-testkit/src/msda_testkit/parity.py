@@ -76,10 +76,11 @@ def max_contributions_per_element(inputs: dict) -> int:
     return int(counts.max()) if counts.numel() else 0
 
 
-def compare_results(inputs: dict, actual: dict, expected: dict, *, atomic_grad_value: bool = False) -> list:
+def compare_results(inputs: dict, actual: dict, expected: dict, *, grad_value_effect: str = "gradient") -> list:
     """Judge each result with the tolerance of its own dtype (OP.md: gradients take their input's dtype).
 
-    ``atomic_grad_value`` selects the atomic-reordering entry for grad_value. Location gradients of
+    ``grad_value_effect`` selects grad_value's entry: "gradient", "atomic" or "fixed_point" (how it was
+    accumulated; see tolerances). Location gradients of
     samples on pixel kinks are not judged (see near_pixel_kinks).
     """
     dtypes = {"output": inputs["value"].dtype, "grad_value": inputs["value"].dtype,
@@ -87,8 +88,7 @@ def compare_results(inputs: dict, actual: dict, expected: dict, *, atomic_grad_v
               "grad_attention_weights": inputs["attention_weights"].dtype}
     results = []
     for name in actual:
-        effect = "forward" if name == "output" else ("atomic" if name == "grad_value" and atomic_grad_value
-                                                     else "gradient")
+        effect = {"output": "forward", "grad_value": grad_value_effect}.get(name, "gradient")
         if actual[name].dtype != dtypes[name]:
             raise AssertionError(f"{name}: dtype {actual[name].dtype}, expected {dtypes[name]}")
         tol = tolerance(dtypes[name], effect)
@@ -113,7 +113,7 @@ def check_parity(inputs: dict, backend: str, reference_backend: str = "grid_samp
     actual = run(inputs, backend, grad_output, **op_kwargs)
     expected = reference(inputs, backward, reference_backend, seed)
     atomic = inputs["value"].device.type not in msda_core.backends()[backend].deterministic_on
-    return compare_results(inputs, actual, expected, atomic_grad_value=atomic)
+    return compare_results(inputs, actual, expected, grad_value_effect="atomic" if atomic else "gradient")
 
 
 def assert_parity(inputs: dict, backend: str, reference_backend: str = "grid_sample", **kwargs) -> list:

@@ -62,7 +62,7 @@ def rows_for(case, dtype, device, repeats):
             actual, both_ms = _timed(lambda: run(inputs, name, grad_output, grad_accum=grad_accum), device_, repeats)
             atomic = device_.type not in backend.deterministic_on and (
                 grad_accum == "native" or dtype == torch.float32 or not backend.accumulation_switch)
-            results = compare_results(inputs, actual, expected, atomic_grad_value=atomic)
+            results = compare_results(inputs, actual, expected, grad_value_effect="atomic" if atomic else "gradient")
             worst = max(results, key=lambda r: r.max_rel_err)
             verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(
                 r.name for r in results if not r.passed)

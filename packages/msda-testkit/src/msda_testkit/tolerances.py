@@ -8,6 +8,8 @@ summed, not to the (possibly cancelled) result, so ``atol`` is relative to the t
 Effects:
 - ``forward`` / ``gradient``: the kernel's own arithmetic (fp32 accumulation) and one rounding of the
   result to its dtype. Unit roundoff u: fp32 2^-24 ≈ 6e-8, fp16 2^-11 ≈ 4.9e-4, bf16 2^-8 ≈ 3.9e-3.
+- ``fixed_point``: grad_value of the deterministic mode: each contribution rounded once to fp32, scaled
+  and rounded to an int64 multiple of 1/scale, summed exactly, converted back with one fp32 rounding.
 - ``atomic``: grad_value scattered with atomic adds, whose order varies run to run; in a half dtype
   (``grad_accum="native"``) every add also rounds the running sum. These entries hold for at most
   ``max_contributions`` adds into one element (K); the comparison counts K on the actual inputs and
@@ -48,6 +50,13 @@ TOLERANCES = {
     (torch.float32, "atomic"): Tolerance(1e-5, 2e-5,
         "fp32 atomic adds in any order: random-sign reordering error ~ sqrt(K) * u = 3.8e-6 of the scale for "
         "K <= 4096, under the fp32 arithmetic term: held to the gradient entry", max_contributions=4096),
+    (torch.float32, "fixed_point"): Tolerance(1e-5, 2e-5,
+        "fp32 contributions summed exactly as integers: per-term fp32 rounding (u) and a quantum of "
+        "bound/2^62 (~1e-13 of the scale at encoder size) never accumulate in the sum; held to the gradient entry"),
+    (torch.float16, "fixed_point"): Tolerance(1e-3, 2e-5,
+        "the exact fixed-point sum (fp32 entry) then one rounding to fp16: as the fp16 gradient entry"),
+    (torch.bfloat16, "fixed_point"): Tolerance(8e-3, 2e-5,
+        "the exact fixed-point sum (fp32 entry) then one rounding to bf16: as the bf16 gradient entry"),
     (torch.float16, "forward"): Tolerance(1e-3, 2e-5,
         "fp32 accumulation (atol, as fp32) then one rounding to fp16: <= u = 4.9e-4 relative; rtol = 2u"),
     (torch.float16, "gradient"): Tolerance(1e-3, 2e-5,

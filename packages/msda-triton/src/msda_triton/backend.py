@@ -49,17 +49,29 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
                                      num_warps=num_warps)
 
 
+def fixed_point_scale(grad_output, attention_weights, samples_per_head: int) -> torch.Tensor:
+    """The deterministic mode's scale, computed on the device (no sync): FIXED_POINT_LIMIT / bound, where
+    bound = Q*L*P * max|a| * max|g| is at least any grad_value element's |sum| (a sample adds at most
+    |a| * |g| to one element: its 4 corners are distinct pixels). Capped at 2^126 to stay an fp32; 1 when
+    the bound is 0; 0 when it is not finite, which makes every element of grad_value NaN."""
+    bound = samples_per_head * attention_weights.abs().amax().double() * grad_output.abs().amax().double()
+    scale = (kernels.FIXED_POINT_LIMIT.value / bound).clamp(max=2.0 ** 126)
+    scale = torch.where(bound > 0, scale, 1.0)
+    return torch.where(torch.isfinite(bound), scale, 0.0).float().reshape(1)
+
+
 def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value, grad_locations, grad_weights, blocks=None, num_warps=4):
-    """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into)."""
+                    grad_value, grad_locations, grad_weights, scale=None, blocks=None, num_warps=4):
+    """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
+    With ``scale`` (fixed_point_scale), grad_value is int64 and accumulated in fixed point."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
     block_r, block_d = blocks or kernels.block_sizes(D)
     with _on_device(value):
         kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-            grad_value, grad_locations, grad_weights, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=num_warps)
+            grad_value, grad_locations, grad_weights, scale, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
+            FIXED_POINT=scale is not None, num_warps=num_warps)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -72,16 +84,25 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
 
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum):
+             grad_accum, deterministic):
+    """deterministic: grad_value in int64 fixed point (grad_accum does not apply), bitwise reproducible."""
     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
         t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights))
-    in_fp32 = accumulates_in_fp32(value.dtype, value.device, grad_accum)
-    grad_value = torch.zeros(value.shape, dtype=torch.float32 if in_fp32 else value.dtype, device=value.device)
+    if deterministic:
+        Q, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
+        scale = fixed_point_scale(grad_output, attention_weights, Q * L * P)
+        accumulator = torch.int64
+    else:
+        scale = None
+        accumulator = torch.float32 if accumulates_in_fp32(value.dtype, value.device, grad_accum) else value.dtype
+    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
     grad_locations = torch.empty_like(sampling_locations)
     grad_weights = torch.empty_like(attention_weights)
     launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value, grad_locations, grad_weights)
+                    grad_value, grad_locations, grad_weights, scale)
+    if deterministic:
+        grad_value = grad_value / scale  # int64 / fp32 -> fp32, one rounding; 0/0 = NaN when scale is 0
     return grad_value.to(value.dtype), grad_locations, grad_weights
 
 
@@ -102,6 +123,7 @@ BACKEND = Backend(
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
     auto_devices=frozenset({"cuda"}),  # on CPU the interpreter is for testing, never chosen by auto
     priority=100,
-    accumulation_switch=True,  # grad_value is scattered with atomic adds: deterministic on no device
+    accumulation_switch=True,  # grad_value is scattered with atomic adds: deterministic on no device,
+    deterministic_mode=True,  # except in the fixed-point mode, on request
     limits=_limits,
 )

@@ -1,4 +1,5 @@
-"""``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU.
+"""``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
+(forward and backward x fp32/fp16/bf16 x native/fp32/fixed-point accumulation).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -25,21 +26,27 @@ INDEX_POINTERS = ("shapes_ptr", "starts_ptr")
 DTYPES = ("fp32", "fp16", "bf16")
 
 
+ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "i64"}  # grad_value's type (None: the dtype's)
+
+
 def _variants():
-    """(name, kernel, {pointer: type}) for forward and backward x dtype x accumulation."""
+    """(name, kernel, {pointer: type}, {constexpr: value}) for forward and backward x dtype x accumulation."""
     for dtype in DTYPES:
         yield f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype,
-                                                          "weight_ptr": dtype, "out_ptr": dtype}
-        for accum in ("native", "fp32"):
-            yield f"backward {dtype} {accum}", kernels.backward_kernel, {
-                "value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
-                "grad_value_ptr": dtype if accum == "native" else "fp32", "grad_loc_ptr": dtype,
-                "grad_weight_ptr": dtype}
+                                                          "weight_ptr": dtype, "out_ptr": dtype}, {}
+        for accum, accumulator in ACCUMULATORS.items():
+            fixed_point = accumulator == "i64"
+            pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
+                        "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
+            if fixed_point:
+                pointers["scale_ptr"] = "fp32"
+            yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
+                   {"FIXED_POINT": fixed_point} | ({} if fixed_point else {"scale_ptr": None}))
 
 
-def compile_variant(kernel, pointer_types: dict, arch: int) -> str:
+def compile_variant(kernel, pointer_types: dict, extra_constexprs: dict, arch: int) -> str:
     block_r, block_d = kernels.block_sizes(INTS["D"])
-    constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d}
+    constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d} | extra_constexprs
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -63,9 +70,9 @@ def atomic_instructions(ptx: str) -> str:
 def main() -> int:
     print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in ARCHS))
     rows = []
-    for name, kernel, pointer_types in _variants():
+    for name, kernel, pointer_types, constexprs in _variants():
         for arch in ARCHS:
-            ptx = compile_variant(kernel, pointer_types, arch)
+            ptx = compile_variant(kernel, pointer_types, constexprs, arch)
             rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions")

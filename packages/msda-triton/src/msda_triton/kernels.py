@@ -90,19 +90,43 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# The deterministic mode scales contributions so that any element's sum stays within this: no int64
+# overflow, with room for rounding; a single scaled term beyond it can only be inf/NaN's doing.
+FIXED_POINT_LIMIT = tl.constexpr(2.0 ** 62)
+
+
+@triton.jit
+def _accumulate(ptr, contribution, mask, scale, FIXED_POINT: tl.constexpr):
+    """Atomically add an fp32 tile into grad_value. FIXED_POINT: as int64 multiples of 1/scale, rounded
+    to nearest; integer addition is associative, so the sum's bits do not depend on the order of the
+    adds. A non-finite scaled term (only when grad_output or the weights hold inf/NaN, for which the
+    caller's scale is 0) adds 0 instead of an undefined conversion."""
+    if FIXED_POINT:
+        scaled = contribution * scale
+        scaled = tl.where(tl.abs(scaled) <= FIXED_POINT_LIMIT, tl.floor(scaled + 0.5), 0.0)
+        tl.atomic_add(ptr, scaled.to(tl.int64), mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(ptr, contribution.to(ptr.dtype.element_ty), mask=mask, sem="relaxed")
+
+
 @triton.jit
 def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad_out_ptr,
-                    grad_value_ptr, grad_loc_ptr, grad_weight_ptr,
-                    n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    grad_value_ptr, grad_loc_ptr, grad_weight_ptr, scale_ptr,
+                    n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    FIXED_POINT: tl.constexpr):
     """Program i handles rows [i*BLOCK_R, +BLOCK_R) over all channels, so the three dot products
-    <g, v_corner> complete inside it; grad_value is scattered with atomic adds in grad_value_ptr's dtype
-    (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch)."""
+    <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
+    (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
+    FIXED_POINT as int64 fixed point at the scale in scale_ptr (the deterministic mode)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
     m = rows % M
     head_base = (b * S * M + m) * D
     pixel_stride = M * D
+    scale = 0.0
+    if FIXED_POINT:
+        scale = tl.load(scale_ptr)
     for level in range(L):
         for point in range(P):
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
@@ -130,11 +154,10 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 gv01 += tl.sum(g * tl.load(value_ptr + o01, mask=k01, other=0.0).to(tl.float32), axis=1)
                 gv10 += tl.sum(g * tl.load(value_ptr + o10, mask=k10, other=0.0).to(tl.float32), axis=1)
                 gv11 += tl.sum(g * tl.load(value_ptr + o11, mask=k11, other=0.0).to(tl.float32), axis=1)
-                acc_ty = grad_value_ptr.dtype.element_ty
-                tl.atomic_add(grad_value_ptr + o00, ((a * w00)[:, None] * g).to(acc_ty), mask=k00, sem="relaxed")
-                tl.atomic_add(grad_value_ptr + o01, ((a * w01)[:, None] * g).to(acc_ty), mask=k01, sem="relaxed")
-                tl.atomic_add(grad_value_ptr + o10, ((a * w10)[:, None] * g).to(acc_ty), mask=k10, sem="relaxed")
-                tl.atomic_add(grad_value_ptr + o11, ((a * w11)[:, None] * g).to(acc_ty), mask=k11, sem="relaxed")
+                _accumulate(grad_value_ptr + o00, (a * w00)[:, None] * g, k00, scale, FIXED_POINT)
+                _accumulate(grad_value_ptr + o01, (a * w01)[:, None] * g, k01, scale, FIXED_POINT)
+                _accumulate(grad_value_ptr + o10, (a * w10)[:, None] * g, k10, scale, FIXED_POINT)
+                _accumulate(grad_value_ptr + o11, (a * w11)[:, None] * g, k11, scale, FIXED_POINT)
             grad_a = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
             grad_x = a * Wf * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # W_l: chain rule of loc * W
             grad_y = a * Hf * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
                 value, shapes, starts, loc, weights, out, blocks, warps))
             bwd = triton.testing.do_bench_cudagraph(lambda: launch_backward(
-                grad_output, value, shapes, starts, loc, weights, *grads, blocks, warps))
+                grad_output, value, shapes, starts, loc, weights, *grads, blocks=blocks, num_warps=warps))
             rows.append([args.case, dtype_name, block_r, blocks[1], warps, fwd, bwd])
             print(rows[-1], flush=True)
     print(tabulate(rows, headers=["case", "dtype", "BLOCK_R", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"],
