@@ -1,6 +1,7 @@
 """Sessions: cpu (all tests runnable without a GPU; Triton kernels through its interpreter), compile_ptx
 (every Triton kernel variant compiled for sm_80 and sm_90 without a GPU), gpu (the full suite on a CUDA
-machine, offline, with that machine's torch and Triton), report (every backend on every case, one table),
+machine, offline, with that machine's torch and Triton), verify (the five-stage verification, on a GPU
+machine like gpu), report (every backend on every case, one table),
 bench (times of every backend: on a GPU machine run `python -m msda_testkit.bench` there, it is offline).
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
@@ -37,6 +38,9 @@ def cpu(session):
     session.install("triton")
     install_ours(session, "msda-triton", "msda-testkit")
     session.run("pytest", "-q", *TEST_DIRS, *session.posargs, env={"TRITON_INTERPRET": "1"})
+    # the CPU slice of the five-stage verification (stage 5 needs a GPU; sequential replays: 3 suffice)
+    session.run("python", "-m", "msda_testkit.verify", "--device", "cpu", "--replays", "3",
+                env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
@@ -46,16 +50,29 @@ def compile_ptx(session):
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
 
 
-@nox.session(venv_backend="none")
-def gpu(session):
-    """The python running nox, with that machine's own torch and Triton (no package registry needed); ours go to a private
-    folder on PYTHONPATH, so nothing is installed into that environment."""
+def install_private(session) -> dict:
+    """For GPU machines: the python running nox, with that machine's own torch and Triton (no package
+    registry needed); ours go to a private folder on PYTHONPATH, so nothing is installed into that
+    environment. Returns the environment to run with."""
     site = os.path.join(session.create_tmp(), "site")
     session.run(sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--upgrade",
                 "--target", site, *[f"packages/{p}" for p in PACKAGES], external=True)
     path = os.pathsep.join([site] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return {"TRITON_INTERPRET": "0", "PYTHONPATH": path}
+
+
+@nox.session(venv_backend="none")
+def gpu(session):
+    env = install_private(session)
     session.run(sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_DIRS, *session.posargs,
-                env={"TRITON_INTERPRET": "0", "PYTHONPATH": path}, external=True)
+                env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def verify(session):
+    """The five-stage verification of the Triton backend on a GPU machine (offline, as gpu)."""
+    env = install_private(session)
+    session.run(sys.executable, "-m", "msda_testkit.verify", *session.posargs, env=env, external=True)
 
 
 @nox.session

@@ -1,0 +1,28 @@
+import torch
+
+import msda_core
+from msda_testkit.verify import verify
+
+
+def _rows(stages):
+    return {s.name: (s.cases, s.passed) for s in stages}
+
+
+def test_verify_passes_a_correct_backend_and_fails_a_wrong_one():
+    rows = _rows(verify("gather", "cpu", replays=2))
+    assert all(passed == cases for cases, passed in rows.values()) and rows["3 edge cases"][0] >= 20
+
+    gather = msda_core.backends()["gather"]
+
+    def forgets_half_pixel(value, shapes, starts, loc, weights):  # a convention slip: no -0.5
+        return gather.forward(value, shapes, starts, loc + 0.5 / shapes.flip(-1).to(loc.dtype).view(1, 1, 1, -1, 1, 2),
+                              weights)
+
+    msda_core.register(msda_core.Backend("slipped", forgets_half_pixel, gather.backward, gather.devices, gather.dtypes,
+                                         deterministic_on=gather.deterministic_on))
+    try:
+        rows = _rows(verify("slipped", "cpu", replays=2))
+    finally:
+        msda_core.unregister("slipped")
+    assert rows["1 correctness"][1] == 0 and rows["2 dtypes"][1] == 0
+    assert rows["4 determinism"][1] == rows["4 determinism"][0]  # wrong, but wrong the same way every time
