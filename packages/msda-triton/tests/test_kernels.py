@@ -28,14 +28,12 @@ def _id(variant):
 
 
 def assert_triton_parity(inputs, grad_accum, deterministic=False):
-    """grad_value takes the fixed-point entry in deterministic mode, else the atomic one unless half
-    values were accumulated in fp32 and rounded once."""
-    dtype = inputs["value"].dtype
-    in_fp32 = accumulates_in_fp32(dtype, inputs["value"].device, grad_accum)
+    """grad_value is judged by the entry of the path that ran ("auto" resolved as the backend does)."""
+    in_fp32 = accumulates_in_fp32(inputs["value"].dtype, inputs["value"].device, grad_accum)
     grad_output = kit.grad_output_for(inputs)
     actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum, deterministic=deterministic)
     expected = kit.reference(inputs, backend=REFERENCE)
-    effect = "fixed_point" if deterministic else ("atomic" if dtype == F32 or not in_fp32 else "gradient")
+    effect = kit.grad_value_effect("triton", inputs, "fp32" if in_fp32 else "native", deterministic)
     results = kit.compare_results(inputs, actual, expected, grad_value_effect=effect)
     if any(not r.passed for r in results):
         raise AssertionError("\n".join(str(r) for r in results))

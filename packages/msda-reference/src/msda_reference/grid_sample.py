@@ -29,8 +29,8 @@ _OUTSIDE = -4.0  # a grid coordinate far outside [-1, 1]: zeros padding gives 0 
 
 
 def _per_level(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) with non-finite points moved
-    outside the map, the mask of finite points (B*M, 1, Q, P) and weights as (B*M, Q, P)."""
+    """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) with non-finite and far points
+    moved outside the map, the mask of finite points (B*M, 1, Q, P) and weights as (B*M, Q, P)."""
     B, S, M, D = value.shape
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     dtype = compute_dtype(value, sampling_locations)

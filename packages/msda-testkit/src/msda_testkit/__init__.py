@@ -7,7 +7,7 @@ from .cases import (
 )
 from .compare import Comparison, assert_close, compare
 from .replay import assert_replays_bit_exact
-from .parity import GRAD_NAMES, assert_parity, check_parity, compare_results, reference, run
+from .parity import GRAD_NAMES, assert_parity, check_parity, compare_results, grad_value_effect, reference, run
 from .tolerances import TOLERANCES, Tolerance, tolerance
 
 __version__ = "0.1.0"

@@ -76,6 +76,21 @@ def max_contributions_per_element(inputs: dict) -> int:
     return int(counts.max()) if counts.numel() else 0
 
 
+def grad_value_effect(backend: str, inputs: dict, grad_accum: str = "auto", deterministic: bool = False) -> str:
+    """The tolerance entry that judges ``backend``'s grad_value on ``inputs``, from its declarations:
+    "gradient" where its backward is deterministic on the device, or where it accumulated half values in
+    fp32 (grad_accum="fp32", resolved by the caller; "auto" counts as native) and rounded once;
+    "fixed_point" for its deterministic mode; else "atomic"."""
+    declared = msda_core.backends()[backend]
+    if inputs["value"].device.type in declared.deterministic_on:
+        return "gradient"
+    if deterministic and declared.deterministic_mode:
+        return "fixed_point"
+    if declared.accumulation_switch and grad_accum == "fp32" and inputs["value"].dtype != torch.float32:
+        return "gradient"
+    return "atomic"
+
+
 def compare_results(inputs: dict, actual: dict, expected: dict, *, grad_value_effect: str = "gradient") -> list:
     """Judge each result with the tolerance of its own dtype (OP.md: gradients take their input's dtype).
 
@@ -106,14 +121,13 @@ def check_parity(inputs: dict, backend: str, reference_backend: str = "grid_samp
                  seed: int = 1, **op_kwargs) -> list:
     """``backend`` on ``inputs`` against ``reference_backend`` on the same inputs upcast to float64.
 
-    Where a backend's backward is not deterministic it adds into grad_value with atomics (in any
-    order): the atomic entry applies.
+    grad_value is judged by the entry grad_value_effect picks from the backend's declarations.
     """
     grad_output = grad_output_for(inputs, seed) if backward else None
     actual = run(inputs, backend, grad_output, **op_kwargs)
     expected = reference(inputs, backward, reference_backend, seed)
-    atomic = inputs["value"].device.type not in msda_core.backends()[backend].deterministic_on
-    return compare_results(inputs, actual, expected, grad_value_effect="atomic" if atomic else "gradient")
+    effect = grad_value_effect(backend, inputs, op_kwargs.get("grad_accum", "auto"), bool(op_kwargs.get("deterministic")))
+    return compare_results(inputs, actual, expected, grad_value_effect=effect)
 
 
 def assert_parity(inputs: dict, backend: str, reference_backend: str = "grid_sample", **kwargs) -> list:

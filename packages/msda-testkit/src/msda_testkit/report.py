@@ -17,7 +17,7 @@ from tabulate import tabulate
 import msda_core
 
 from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
-from .parity import compare_results, reference, run
+from .parity import compare_results, grad_value_effect, reference, run
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,9 +60,8 @@ def rows_for(case, dtype, device, repeats):
                 continue
             _, fwd_ms = _timed(lambda: run(inputs, name, grad_accum=grad_accum), device_, repeats)
             actual, both_ms = _timed(lambda: run(inputs, name, grad_output, grad_accum=grad_accum), device_, repeats)
-            atomic = device_.type not in backend.deterministic_on and (
-                grad_accum == "native" or dtype == torch.float32 or not backend.accumulation_switch)
-            results = compare_results(inputs, actual, expected, grad_value_effect="atomic" if atomic else "gradient")
+            effect = grad_value_effect(name, inputs, grad_accum)
+            results = compare_results(inputs, actual, expected, grad_value_effect=effect)
             worst = max(results, key=lambda r: r.max_rel_err)
             verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(
                 r.name for r in results if not r.passed)
