@@ -37,11 +37,11 @@ def _sizes(value, sampling_locations):
 
 
 def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out,
-                   blocks=None, num_warps=4):
-    """Run forward_kernel on contiguous tensors into ``out``; ``blocks`` overrides kernels.block_sizes."""
+                   config=None):
+    """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
-    block_r, block_d = blocks or kernels.block_sizes(D)
+    block_r, block_d, num_warps = config or kernels.launch_config(D, backward=False)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(D, block_d))
     with _on_device(value):
         kernels.forward_kernel[grid](value, spatial_shapes, level_start_index, sampling_locations,
@@ -61,12 +61,12 @@ def fixed_point_scale(grad_output, attention_weights, samples_per_head: int) -> 
 
 
 def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value, grad_locations, grad_weights, scale=None, blocks=None, num_warps=4):
+                    grad_value, grad_locations, grad_weights, scale=None, config=None):
     """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
     With ``scale`` (fixed_point_scale), grad_value is int64 and accumulated in fixed point."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
-    block_r, block_d = blocks or kernels.block_sizes(D)
+    block_r, block_d, num_warps = config or kernels.launch_config(D, backward=True)
     with _on_device(value):
         kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,

@@ -45,7 +45,7 @@ def _variants():
 
 
 def compile_variant(kernel, pointer_types: dict, extra_constexprs: dict, arch: int) -> str:
-    block_r, block_d = kernels.block_sizes(INTS["D"])
+    block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=kernel is kernels.backward_kernel)
     constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d} | extra_constexprs
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -59,7 +59,7 @@ def compile_variant(kernel, pointer_types: dict, extra_constexprs: dict, arch: i
             signature[name] = "*i64" if name in INDEX_POINTERS else "*" + pointer_types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
 def atomic_instructions(ptx: str) -> str:

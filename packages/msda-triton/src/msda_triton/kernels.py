@@ -10,10 +10,12 @@ import triton
 import triton.language as tl
 
 
-def block_sizes(D: int) -> tuple:
-    """(BLOCK_R, BLOCK_D): the channel block covers D up to 64, rows fill ~2048 elements per program."""
+def launch_config(D: int, backward: bool) -> tuple:
+    """(BLOCK_R, BLOCK_D, num_warps): the channel block covers D up to 64, rows fill ~2048 elements per
+    program. The forward runs 2 warps, the backward 4: measured on the H200 (BENCHMARKS.md, encoder B2),
+    2 warps cut the forward by 28% (fp32) and 11% (bf16) and slow the backward down to 1.8x."""
     block_d = min(triton.next_power_of_2(D), 64)
-    return max(16, min(128, 2048 // block_d)), block_d
+    return max(16, min(128, 2048 // block_d)), block_d, 4 if backward else 2
 
 
 @triton.jit

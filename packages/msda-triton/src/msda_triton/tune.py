@@ -1,6 +1,6 @@
 """``python -m msda_triton.tune``: time the kernels over block shapes and warps on one case (GPU).
 
-A measuring tool for choosing kernels.block_sizes, not part of the op: each configuration is timed by
+A measuring tool for choosing kernels.launch_config, not part of the op: each configuration is timed by
 replaying a CUDA graph of the bare kernel launch (no host overhead), median of triton.testing's runs.
 """
 
@@ -40,12 +40,12 @@ def main(argv=None) -> int:
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
         for block_r, warps in itertools.product(args.block_r, args.warps):
-            blocks = (block_r, min(triton.next_power_of_2(D), 64))
+            config = (block_r, min(triton.next_power_of_2(D), 64), warps)
             fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
-                value, shapes, starts, loc, weights, out, blocks, warps))
+                value, shapes, starts, loc, weights, out, config))
             bwd = triton.testing.do_bench_cudagraph(lambda: launch_backward(
-                grad_output, value, shapes, starts, loc, weights, *grads, blocks=blocks, num_warps=warps))
-            rows.append([args.case, dtype_name, block_r, blocks[1], warps, fwd, bwd])
+                grad_output, value, shapes, starts, loc, weights, *grads, config=config))
+            rows.append([args.case, dtype_name, block_r, config[1], warps, fwd, bwd])
             print(rows[-1], flush=True)
     print(tabulate(rows, headers=["case", "dtype", "BLOCK_R", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"],
                    floatfmt=".4g"))
