@@ -33,6 +33,7 @@ def toys(monkeypatch):
     monkeypatch.setattr(registry, "_load_errors", {})
     monkeypatch.setattr(registry, "_discovered", False)
     monkeypatch.setattr(registry, "_scopes", [])
+    monkeypatch.setattr(registry, "_resolved", {})
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     broken = EntryPoint("broken", "msda_no_such_module_for_tests:BACKEND", registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "entry_points", lambda group: [broken])
@@ -50,6 +51,15 @@ def test_auto_takes_the_highest_priority_backend_that_supports_the_inputs(toys):
     # fp32_only (20) cannot take float64, manual (9) is never chosen by auto, fast (5) wins over slow (1)
     assert _ran() == 2.0
     assert msda_core.resolve_backend(tiny_inputs()["value"], tiny_inputs()["sampling_locations"]) == "fast"
+
+
+def test_selection_is_remembered_until_the_registry_changes(toys):
+    assert _ran() == 2.0
+    assert len(registry._resolved) == 1  # the second call of a training step reuses the first's choice
+    msda_core.register(_toy("fast", priority=5, scale=5.0))  # replaced under the same name
+    assert _ran() == 5.0
+    msda_core.unregister("fast")
+    assert _ran() == 1.0
 
 
 def test_per_call_scope_and_environment_precedence(toys, monkeypatch):

@@ -82,6 +82,7 @@ _backends: dict = {}
 _load_errors: dict = {}
 _discovered = False
 _scopes: list = []  # stack of names set by use_backend
+_resolved: dict = {}  # (request, Inputs) -> Backend: selection runs twice per training step; emptied on any change
 
 
 def register(backend: Backend) -> None:
@@ -89,11 +90,13 @@ def register(backend: Backend) -> None:
     _discover()
     _backends[backend.name] = backend
     _load_errors.pop(backend.name, None)
+    _resolved.clear()
 
 
 def unregister(name: str) -> None:
     _discover()
     _backends.pop(name, None)
+    _resolved.clear()
 
 
 def _discover() -> None:
@@ -147,6 +150,15 @@ def _candidates_report(rows: list) -> str:
 
 def resolve(request: str, inputs: Inputs) -> Backend:
     """The backend that runs ``inputs`` for ``request`` (a name or "auto"), or BackendUnavailableError."""
+    key = (request, inputs)
+    if key not in _resolved:
+        if len(_resolved) >= 4096:  # shapes vary with image size: bound the memo, don't grow forever
+            _resolved.clear()
+        _resolved[key] = _select(request, inputs)
+    return _resolved[key]
+
+
+def _select(request: str, inputs: Inputs) -> Backend:
     _discover()
     rows = []
     if request == "auto":

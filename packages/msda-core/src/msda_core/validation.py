@@ -28,10 +28,11 @@ def _dims(names: str, sizes: tuple) -> str:
     return f"({names}) = {tuple(sizes)}"
 
 
-def _can_read_values(t: torch.Tensor) -> bool:
-    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+def _can_read_values(index_tensors) -> bool:
+    """Real tensors, and no CUDA graph capture in progress (all tensors are on one device by then)."""
+    if any(t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) for t in index_tensors):
         return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return not (index_tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -87,8 +88,8 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
         if t.device != value.device:
             raise ValueError(f"{arg}: expected device {value.device} (the device of value), got {t.device}")
 
-    if all(_can_read_values(t) for t in tensors.values()) and not _already_checked(S, spatial_shapes,
-                                                                                   level_start_index):
+    index_tensors = (spatial_shapes,) if level_start_index is None else (spatial_shapes, level_start_index)
+    if _can_read_values(index_tensors) and not _already_checked(S, spatial_shapes, level_start_index):
         _check_level_values(S, spatial_shapes, level_start_index)
         _remember_checked(S, spatial_shapes, level_start_index)
 
