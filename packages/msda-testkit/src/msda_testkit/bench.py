@@ -27,8 +27,11 @@ import msda_core
 from .cases import DETR_LEVELS, DETR_S, STANDARD_CASES, Case, grad_output_for, make_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SWEEP = tuple(replace(STANDARD_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \
-    tuple(replace(STANDARD_CASES[1], name=f"sweep_b{b}_q{DETR_S}", batch=b) for b in (1, 4))
+# On the GPU, locations are uniform in [-0.1, 1.1] as in PEERS.md's measurements, so the figures compare.
+PEER_LOC_RANGE = (-0.1, 1.1)
+GPU_CASES = tuple(replace(c, loc_range=PEER_LOC_RANGE) for c in STANDARD_CASES)
+SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \
+    tuple(replace(GPU_CASES[1], name=f"sweep_b{b}_q{DETR_S}", batch=b) for b in (1, 4))
 CPU_CASES = (Case("decoder_b1_q300", batch=1, queries=300, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
              Case("encoder_b1", batch=1, queries=DETR_S, heads=8, head_dim=32, levels=DETR_LEVELS, points=4))
 _DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")
@@ -143,15 +146,19 @@ def _plot(rows, path):
         print("matplotlib not installed: no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key in zip(axes, ("fwd_ms", "bwd_ms")):
-        series = {}
-        for r in rows:
-            series.setdefault((r["backend"], r["dtype"]), []).append((r["B"] * r["Q"], r[key]))
-        for (backend, dtype), points in sorted(series.items()):
-            points.sort()
-            ax.plot(*zip(*points), marker="o", label=f"{backend} {dtype}")
+    for ax, key in zip(axes, ("fwd", "bwd")):
+        # solid: called from Python (host overhead included); dashed: replayed from a CUDA graph
+        for suffix, style in (("_ms", "-"), ("_graph_ms", "--")):
+            series = {}
+            for r in rows:
+                if r.get(key + suffix) is not None:
+                    series.setdefault((r["backend"], r["dtype"]), []).append((r["B"] * r["Q"], r[key + suffix]))
+            for i, ((backend, dtype), points) in enumerate(sorted(series.items())):
+                points.sort()
+                label = f"{backend} {dtype}" + (" (graph)" if suffix == "_graph_ms" else "")
+                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="queries x batch", ylabel="median ms",
-               title=key.replace("_ms", "").replace("fwd", "forward").replace("bwd", "backward"))
+               title="forward" if key == "fwd" else "backward")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -170,9 +177,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="CPU: the fewest timed runs (and >= 1 s of them)")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--plot", default="bench.png")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from a JSON this tool wrote")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            _plot(json.load(f)["rows"], args.plot)
+        return 0
     device = torch.device(args.device)
-    cases = STANDARD_CASES + (() if args.no_sweep else SWEEP) if device.type == "cuda" else CPU_CASES
+    cases = GPU_CASES + (() if args.no_sweep else SWEEP) if device.type == "cuda" else CPU_CASES
     backends = args.backends or sorted(n for n, b in msda_core.backends().items()
                                        if device.type in b.auto_devices)
     env = environment(device)

@@ -50,17 +50,22 @@ def rows_for(case, dtype, device, repeats):
     rows = []
     device_ = inputs["value"].device
     for name, backend in sorted(msda_core.backends().items()):
-        # backends that scatter with atomics are shown with both accumulation paths
-        for grad_accum in ("native", "fp32") if backend.accumulation_switch else ("auto",):
-            label = f"{name} ({grad_accum})" if backend.accumulation_switch else name
+        # backends that scatter with atomics are shown with both accumulation paths, and their
+        # deterministic mode when they have one
+        paths = [(mode, mode, False) for mode in (("native", "fp32") if backend.accumulation_switch else ("auto",))]
+        if backend.deterministic_mode:
+            paths.append(("deterministic", "auto", True))
+        for path, grad_accum, deterministic in paths:
+            label = f"{name} ({path})" if len(paths) > 1 else name
             reasons = backend.not_supported_reasons(msda_core.Inputs.of(inputs["value"], inputs["sampling_locations"],
-                                                                        grad_accum))
+                                                                        grad_accum, deterministic))
             if reasons:
                 rows.append([case.name, str(dtype)[6:], label, "-", "-", "skipped: " + "; ".join(reasons)[:60]])
                 continue
-            _, fwd_ms = _timed(lambda: run(inputs, name, grad_accum=grad_accum), device_, repeats)
-            actual, both_ms = _timed(lambda: run(inputs, name, grad_output, grad_accum=grad_accum), device_, repeats)
-            effect = grad_value_effect(name, inputs, grad_accum)
+            kwargs = {"grad_accum": grad_accum, "deterministic": deterministic}
+            _, fwd_ms = _timed(lambda: run(inputs, name, **kwargs), device_, repeats)
+            actual, both_ms = _timed(lambda: run(inputs, name, grad_output, **kwargs), device_, repeats)
+            effect = grad_value_effect(name, inputs, grad_accum, deterministic)
             results = compare_results(inputs, actual, expected, grad_value_effect=effect)
             worst = max(results, key=lambda r: r.max_rel_err)
             verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(

@@ -132,7 +132,7 @@ def _stress(backend: str, device: str, budget_bytes: int = 2 << 30, iterations: 
     step = lambda: run(inputs, backend, grad_output, deterministic=True)
     first = step()
     for _ in range(3):
-        step()
+        last = step()  # one set of results held at both readings, as in the loop
     torch.cuda.synchronize(device)
     allocated = torch.cuda.memory_allocated(device)
     for _ in range(iterations):
