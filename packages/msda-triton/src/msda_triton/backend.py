@@ -50,14 +50,12 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
 
 
 def fixed_point_scale(grad_output, attention_weights, samples_per_head: int) -> torch.Tensor:
-    """The deterministic mode's scale, computed on the device (no sync): the largest power of two at most
-    FIXED_POINT_LIMIT / bound, where bound = Q*L*P * max|a| * max|g| is at least any grad_value element's
-    |sum| (a sample adds at most |a| * |g| to one element: its 4 corners are distinct pixels). A power of
-    two, so dividing the integer sum by it is exact and the int64 -> fp32 conversion is the one rounding.
-    Capped at 2^126 to stay an fp32; 1 when the bound is 0; 0 when it is not finite, which makes every
-    element of grad_value NaN."""
+    """The deterministic mode's scale, computed on the device (no sync): FIXED_POINT_LIMIT / bound, where
+    bound = Q*L*P * max|a| * max|g| is at least any grad_value element's |sum| (a sample adds at most
+    |a| * |g| to one element: its 4 corners are distinct pixels). Capped at 2^126 to stay an fp32; 1 when
+    the bound is 0; 0 when it is not finite, which makes every element of grad_value NaN."""
     bound = samples_per_head * attention_weights.abs().amax().double() * grad_output.abs().amax().double()
-    scale = torch.exp2(torch.floor(torch.log2(kernels.FIXED_POINT_LIMIT.value / bound))).clamp(max=2.0 ** 126)
+    scale = (kernels.FIXED_POINT_LIMIT.value / bound).clamp(max=2.0 ** 126)
     scale = torch.where(bound > 0, scale, 1.0)
     return torch.where(torch.isfinite(bound), scale, 0.0).float().reshape(1)
 
@@ -103,8 +101,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     grad_weights = torch.empty_like(attention_weights)
     launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                     grad_value, grad_locations, grad_weights, scale)
-    if deterministic:  # computed in fp32, written in value's dtype: no fp32 temporary; 0/0 = NaN when scale is 0
-        grad_value = torch.div(grad_value, scale, out=torch.empty(value.shape, dtype=value.dtype, device=value.device))
+    if deterministic:
+        grad_value = grad_value / scale  # int64 / fp32 -> fp32, one rounding; 0/0 = NaN when scale is 0
     return grad_value.to(value.dtype), grad_locations, grad_weights
 
 
