@@ -9,7 +9,8 @@ Effects:
 - ``forward`` / ``gradient``: the kernel's own arithmetic (fp32 accumulation) and one rounding of the
   result to its dtype. Unit roundoff u: fp32 2^-24 ≈ 6e-8, fp16 2^-11 ≈ 4.9e-4, bf16 2^-8 ≈ 3.9e-3.
 - ``fixed_point``: grad_value of the deterministic mode: each contribution rounded once to fp32, scaled
-  and rounded to an int64 multiple of 1/scale, summed exactly, converted back with one fp32 rounding.
+  and rounded to an int64 multiple of 1/scale, summed exactly, converted back to fp32 (a rounding) and
+  divided by the scale (a second rounding: the scale is not a power of two).
 - ``atomic``: grad_value scattered with atomic adds, whose order varies run to run; in a half dtype
   (``grad_accum="native"``) every add also rounds the running sum. These entries hold for at most
   ``max_contributions`` adds into one element (K); the comparison counts K on the actual inputs and
