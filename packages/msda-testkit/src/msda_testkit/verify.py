@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from tabulate import tabulate
 
-from .cases import DETR_S, EDGE_CASES, SMALL_CASES, STANDARD_CASES, Case, grad_output_for, make_inputs, upcast
+from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, Case, grad_output_for, make_inputs, upcast
 from .parity import compare_results, grad_value_effect, run
 from .replay import assert_replays_bit_exact
 
@@ -64,8 +64,9 @@ class Stage:
 
 
 def _compare(stage, label, inputs, backend, grad_output=None, nonfinite_kind_matters=True, **op_kwargs):
-    """One parity check against grid_sample in float64 (grad_value judged as grad_value_effect says). ``nonfinite_kind_matters=False`` (inf inputs): results must be non-finite exactly where
-    the reference's are, NaN or inf alike (inf * 0 terms make NaN of an inf in one summation order)."""
+    """One parity check against grid_sample in float64 (grad_value judged as grad_value_effect says).
+    ``nonfinite_kind_matters=False`` (inf inputs): results must be non-finite exactly where the
+    reference's are, NaN or inf alike (inf * 0 terms make NaN of an inf in one summation order)."""
     grad_output = grad_output_for(inputs) if grad_output is None else grad_output
     actual = run(inputs, backend, grad_output, **op_kwargs)
     expected = run(upcast(inputs), "grid_sample", grad_output.double())
@@ -125,8 +126,9 @@ def verify(backend: str, device: str, replays: int = 10) -> list:
 def _stress(backend: str, device: str, budget_bytes: int = 2 << 30, iterations: int = 1000):
     """The largest encoder batch whose inputs, output and gradients fit the budget (~6x value's size),
     run ``iterations`` times: allocated memory must not grow after warm-up and results must not change."""
-    per_batch = DETR_S * 8 * 32 * 4 * 6
-    case = replace(STANDARD_CASES[1], name="stress", batch=max(1, budget_bytes // per_batch))
+    encoder = STANDARD_CASES[1]
+    per_batch = encoder.spatial_size * encoder.heads * encoder.head_dim * 4 * 6
+    case = replace(encoder, name="stress", batch=max(1, budget_bytes // per_batch))
     inputs = make_inputs(case, F32, device=device)
     grad_output = grad_output_for(inputs)
     step = lambda: run(inputs, backend, grad_output, deterministic=True)

@@ -14,9 +14,8 @@ import triton.testing
 from tabulate import tabulate
 
 import msda_testkit as kit
-from msda_core.validation import level_starts
-
 from .backend import launch_backward, launch_forward
+from .kernels import launch_config
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -31,16 +30,15 @@ def main(argv=None) -> int:
     rows = []
     for dtype_name in args.dtypes:
         inputs = kit.make_inputs(kit.case(args.case), DTYPES[dtype_name], device="cuda")
-        value, shapes, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "sampling_locations",
-                                                          "attention_weights"))
-        starts = torch.tensor(level_starts(kit.case(args.case).levels), device="cuda")
+        value, shapes, starts, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "level_start_index",
+                                                                  "sampling_locations", "attention_weights"))
         D = value.shape[3]
         out = value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * D)
         grad_output = kit.grad_output_for(inputs)
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
         for block_r, warps in itertools.product(args.block_r, args.warps):
-            config = (block_r, min(triton.next_power_of_2(D), 64), warps)
+            config = (block_r, launch_config(D, backward=False)[1], warps)
             fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
                 value, shapes, starts, loc, weights, out, config))
             bwd = triton.testing.do_bench_cudagraph(lambda: launch_backward(
