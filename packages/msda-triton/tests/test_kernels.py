@@ -4,13 +4,15 @@ On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is gri
 same device, which link 1 ties to the naive loops.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_env import DEVICE, needs_kernels
 
 import msda_core
 import msda_testkit as kit
-from msda_triton.backend import accumulates_in_fp32
+from msda_triton.backend import BACKEND, accumulates_in_fp32
 
 pytestmark = needs_kernels
 REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
@@ -117,6 +119,23 @@ CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),)
 @pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
 def test_deterministic_mode_matches_float64(case, dtypes):
     assert_triton_parity(kit.make_inputs(case, *dtypes, device=DEVICE), "auto", deterministic=True)
+
+
+def test_deterministic_mode_makes_all_of_grad_value_nan_for_a_nonfinite_grad_output():
+    """A non-finite max|g| leaves no finite bound, so no exact scale: NaN everywhere, never garbage."""
+    inputs = kit.make_inputs(CROWDED, F32, device=DEVICE)
+    grad_output = kit.grad_output_for(inputs)
+    grad_output[0, 0, 0] = float("inf")
+    result = kit.run(inputs, "triton", grad_output, deterministic=True)
+    assert result["grad_value"].isnan().all()
+
+
+def test_deterministic_mode_refuses_more_terms_than_its_exact_sums_hold():
+    inputs = msda_core.registry.Inputs(torch.device(DEVICE), F32, F32, batch=1, queries=2 ** 19, heads=1,
+                                       head_dim=8, levels=4, points=4, grad_accum="auto", deterministic=True)
+    assert BACKEND.not_supported_reasons(inputs) == [
+        "the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got 8388608"]
+    assert BACKEND.not_supported_reasons(replace(inputs, queries=2 ** 19 - 1)) == []
 
 
 def test_deterministic_none_follows_torch_and_takes_the_fixed_point_path():

@@ -49,29 +49,35 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
                                      num_warps=num_warps)
 
 
-def fixed_point_scale(grad_output, attention_weights, samples_per_head: int) -> torch.Tensor:
-    """The deterministic mode's scale, computed on the device (no sync): FIXED_POINT_LIMIT / bound, where
-    bound = Q*L*P * max|a| * max|g| is at least any grad_value element's |sum| (a sample adds at most
-    |a| * |g| to one element: its 4 corners are distinct pixels). Capped at 2^126 to stay an fp32; 1 when
-    the bound is 0; 0 when it is not finite, which makes every element of grad_value NaN."""
-    bound = samples_per_head * attention_weights.abs().amax().double() * grad_output.abs().amax().double()
-    scale = (kernels.FIXED_POINT_LIMIT.value / bound).clamp(max=2.0 ** 126)
-    scale = torch.where(bound > 0, scale, 1.0)
-    return torch.where(torch.isfinite(bound), scale, 0.0).float().reshape(1)
+def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                       attention_weights):
+    """What the deterministic mode's scales derive from (kernels._fixed_point_scales), as device scalars with
+    no host sync: max|a|, max|g| and the largest anchored mass of kernels.anchor_mass_kernel."""
+    weight_max = torch.linalg.vector_norm(attention_weights, float("inf"))
+    grad_max = torch.linalg.vector_norm(grad_output, float("inf"))
+    n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
+    mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
+    with _on_device(value):
+        kernels.anchor_mass_kernel[(triton.cdiv(n_rows, 128),)](
+            spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
+            n_rows, Q, S, M, L, P, BLOCK_R=128, num_warps=4)  # one row per thread
+    return weight_max, grad_max, mass.amax()
 
 
 def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value, grad_locations, grad_weights, scale=None, config=None):
+                    grad_value, grad_locations, grad_weights, fixed_point=None, config=None):
     """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
-    With ``scale`` (fixed_point_scale), grad_value is int64 and accumulated in fixed point."""
+    With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
+    maxima from fixed_point_maxima."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
     block_r, block_d, num_warps = config or kernels.launch_config(D, backward=True)
+    fraction, maxima = fixed_point or (None, (None, None, None))
     with _on_device(value):
         kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-            grad_value, grad_locations, grad_weights, scale, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
-            FIXED_POINT=scale is not None, num_warps=num_warps)
+            grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
+            FIXED_POINT=fixed_point is not None, num_warps=num_warps)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -85,31 +91,34 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              grad_accum, deterministic):
-    """deterministic: grad_value in int64 fixed point (grad_accum does not apply), bitwise reproducible."""
-    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
-        t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                                 attention_weights))
-    if deterministic:
-        Q, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
-        scale = fixed_point_scale(grad_output, attention_weights, Q * L * P)
-        accumulator = torch.int64
-    else:
-        scale = None
-        accumulator = torch.float32 if accumulates_in_fp32(value.dtype, value.device, grad_accum) else value.dtype
-    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    """deterministic: grad_value as exact sums of integers in two fp32 buffers (grad_accum does not apply),
+    bitwise reproducible; kernels._fixed_point_scales says why the sums are exact."""
+    grad_output, *inputs = (t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index,
+                                                     sampling_locations, attention_weights))
+    value, sampling_locations, attention_weights = inputs[0], inputs[3], inputs[4]
+    fp32 = deterministic or accumulates_in_fp32(value.dtype, value.device, grad_accum)
+    grad_value = torch.zeros(value.shape, dtype=torch.float32 if fp32 else value.dtype, device=value.device)
     grad_locations = torch.empty_like(sampling_locations)
     grad_weights = torch.empty_like(attention_weights)
-    launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value, grad_locations, grad_weights, scale)
-    if deterministic:
-        grad_value = grad_value / scale  # int64 / fp32 -> fp32, one rounding; 0/0 = NaN when scale is 0
-    return grad_value.to(value.dtype), grad_locations, grad_weights
+    if not deterministic:
+        launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights)
+        return grad_value.to(value.dtype), grad_locations, grad_weights
+    fraction, maxima = torch.zeros_like(grad_value), fixed_point_maxima(grad_output, *inputs)
+    launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
+    out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
+    with _on_device(value):
+        kernels.fixed_point_finish_kernel[(triton.cdiv(value.numel(), 1024),)](
+            grad_value, fraction, *maxima, out, value.numel(), BLOCK=1024, num_warps=4)
+    return out, grad_locations, grad_weights
 
 
 def _limits(inputs) -> list:
     if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
         return [f"needs compute capability 8.0+, {inputs.device} has "
                 f"{'.'.join(map(str, torch.cuda.get_device_capability(inputs.device)))}"]
+    if inputs.deterministic and inputs.queries * inputs.levels * inputs.points >= 2 ** 23:
+        return [f"the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got "
+                f"{inputs.queries * inputs.levels * inputs.points}"]
     if INTERPRETED and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
         return ["Triton's interpreter has no bf16 atomic add: use grad_accum='fp32' or 'auto' on CPU"]
     return []

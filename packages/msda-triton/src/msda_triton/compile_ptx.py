@@ -1,5 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
-(forward and backward x fp32/fp16/bf16 x native/fp32/fixed-point accumulation).
+(forward and backward x fp32/fp16/bf16 x native/fp32/fixed-point accumulation, and the deterministic
+mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -21,32 +22,41 @@ from triton.compiler import ASTSource
 from . import kernels
 
 ARCHS = (80, 90)
-INTS = {"n_rows": 2 * 22223 * 8, "Q": 22223, "S": 22223, "M": 8, "D": 32, "L": 4, "P": 4}
-INDEX_POINTERS = ("shapes_ptr", "starts_ptr")
+INTS = {"n_rows": 2 * 22223 * 8, "Q": 22223, "S": 22223, "M": 8, "D": 32, "L": 4, "P": 4,
+        "numel": 2 * 22223 * 8 * 32}
+INDEX_POINTERS = ("shapes_ptr", "starts_ptr", "mass_ptr", "mass_max_ptr")
 DTYPES = ("fp32", "fp16", "bf16")
 
 
-ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "i64"}  # grad_value's type (None: the dtype's)
+ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_value's type (None: the dtype's)
 
 
 def _variants():
-    """(name, kernel, {pointer: type}, {constexpr: value}) for forward and backward x dtype x accumulation."""
+    """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        yield f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype,
-                                                          "weight_ptr": dtype, "out_ptr": dtype}, {}
+        block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=False)
+        yield (f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype,
+                                                           "out_ptr": dtype}, {"BLOCK_R": block_r, "BLOCK_D": block_d},
+               num_warps)
+        block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=True)
         for accum, accumulator in ACCUMULATORS.items():
-            fixed_point = accumulator == "i64"
+            fixed_point = accum == "fixed-point"
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
+            helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
             if fixed_point:
-                pointers["scale_ptr"] = "fp32"
+                pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
             yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
-                   {"FIXED_POINT": fixed_point} | ({} if fixed_point else {"scale_ptr": None}))
+                   {"BLOCK_R": block_r, "BLOCK_D": block_d, "FIXED_POINT": fixed_point}
+                   | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
+        yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
+               {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, {"BLOCK_R": 128}, 4)
+        yield (f"fixed-point finish {dtype}", kernels.fixed_point_finish_kernel,
+               {"whole_ptr": "fp32", "fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype,
+                "out_ptr": dtype}, {"BLOCK": 1024}, 4)
 
 
-def compile_variant(kernel, pointer_types: dict, extra_constexprs: dict, arch: int) -> str:
-    block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=kernel is kernels.backward_kernel)
-    constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d} | extra_constexprs
+def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int) -> str:
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -70,9 +80,9 @@ def atomic_instructions(ptx: str) -> str:
 def main() -> int:
     print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in ARCHS))
     rows = []
-    for name, kernel, pointer_types, constexprs in _variants():
+    for name, kernel, pointer_types, constexprs, num_warps in _variants():
         for arch in ARCHS:
-            ptx = compile_variant(kernel, pointer_types, constexprs, arch)
+            ptx = compile_variant(kernel, pointer_types, constexprs, num_warps, arch)
             rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions")

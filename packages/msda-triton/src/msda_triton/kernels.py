@@ -92,43 +92,112 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# The deterministic mode scales contributions so that any element's sum stays within this: no int64
-# overflow, with room for rounding; a single scaled term beyond it can only be inf/NaN's doing.
-FIXED_POINT_LIMIT = tl.constexpr(2.0 ** 62)
+# The deterministic mode counts each sample's |a| in units of max|a| / MASS_UNITS (rounded up, so a nonzero
+# weight is at least one unit and a unit count also bounds how many terms an element receives).
+MASS_UNITS = tl.constexpr(64.0)
 
 
 @triton.jit
-def _accumulate(ptr, contribution, mask, scale, FIXED_POINT: tl.constexpr):
-    """Atomically add an fp32 tile into grad_value. FIXED_POINT: as int64 multiples of 1/scale, rounded
-    to nearest; integer addition is associative, so the sum's bits do not depend on the order of the
-    adds. A non-finite scaled term (only when grad_output or the weights hold inf/NaN, for which the
-    caller's scale is 0) adds 0 instead of an undefined conversion."""
+def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_ptr, mass_ptr,
+                       n_rows, Q, S, M, L, P, BLOCK_R: tl.constexpr):
+    """For the deterministic mode's bound: mass[b, s, m] += ceil(|a| * MASS_UNITS / max|a|) for every sample
+    whose first in-map corner (its 00 corner clamped into the map) is pixel s. Integer adds: deterministic.
+    An element at pixel s receives terms only from samples anchored at s, s-1, s-W or s-W-1, so 4 * max(mass)
+    bounds both its count of terms and its sum of |a| in units. One atomic per sample, not four."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    b = rows // M // Q
+    m = rows % M
+    per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
+    for level in range(L):
+        for point in range(P):
+            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok,
+                                                  level, point, L, P)
+            anchor = tl.where(m00, p00, tl.where(m01, p01, tl.where(m10, p10, p11)))
+            units = tl.ceil(tl.abs(a) * per_unit)
+            units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
+            tl.atomic_add(mass_ptr + (b * S + anchor) * M + m, units.to(tl.int64), mask=m00 | m01 | m10 | m11,
+                          sem="relaxed")
+
+
+@triton.jit
+def _pow2(e):
+    """2.0 ** e, exactly, for an integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exponent(x):
+    """floor(log2(x)) of a positive normal fp32 x, read from its bits (exact, unlike log2)."""
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr):
+    """(scale, ratio) of the deterministic mode, powers of two. With units = 4 * max(mass), any element of
+    grad_value has at most ``units`` terms and sum |term| <= bound = units * max|a| / MASS_UNITS * max|g|.
+    scale * bound < 2^23, so the scaled terms rounded to integers sum below 2^24 in any order (an element
+    has at most Q*L*P < 2^23 terms, each rounded up by at most 1/2): fp32 adds them exactly. The remainders,
+    |r| <= 1/2, are scaled by ratio with ratio * units < 2^23: their integer sums are exact too. scale is NaN
+    when the bound is not finite (every element of grad_value is then NaN), 1 when it is 0 (every term is 0)."""
+    units = 4.0 * tl.load(mass_max_ptr).to(tl.float32)
+    bound = units * (tl.load(weight_max_ptr).to(tl.float32) / MASS_UNITS) * tl.load(grad_max_ptr).to(tl.float32)
+    scale = _pow2(tl.minimum(tl.maximum(22 - _exponent(bound), -126), 126))
+    scale = tl.where(bound == 0.0, 1.0, tl.where(bound < float("inf"), scale, float("nan")))
+    ratio = tl.where(units > 0.0, _pow2(tl.minimum(tl.maximum(22 - _exponent(units), -126), 126)), 1.0)
+    return scale, ratio
+
+
+@triton.jit
+def _accumulate(grad_value_ptr, fraction_ptr, offsets, contribution, mask, scale, ratio, FIXED_POINT: tl.constexpr):
+    """Atomically add an fp32 tile into grad_value. FIXED_POINT: split each scaled term into an integer and
+    its remainder's integer multiple of 1/ratio; both sums stay exact (see _fixed_point_scales), so their
+    bits do not depend on the order of the adds."""
     if FIXED_POINT:
-        scaled = contribution * scale
-        scaled = tl.where(tl.abs(scaled) <= FIXED_POINT_LIMIT, tl.floor(scaled + 0.5), 0.0)
-        tl.atomic_add(ptr, scaled.to(tl.int64), mask=mask, sem="relaxed")
+        x = contribution * scale
+        whole = tl.floor(x + 0.5)
+        tl.atomic_add(grad_value_ptr + offsets, whole, mask=mask, sem="relaxed")
+        tl.atomic_add(fraction_ptr + offsets, tl.floor((x - whole) * ratio + 0.5), mask=mask, sem="relaxed")
     else:
-        tl.atomic_add(ptr, contribution.to(ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        tl.atomic_add(grad_value_ptr + offsets, contribution.to(grad_value_ptr.dtype.element_ty), mask=mask,
+                      sem="relaxed")
+
+
+@triton.jit
+def fixed_point_finish_kernel(whole_ptr, fraction_ptr, weight_max_ptr, grad_max_ptr, mass_max_ptr, out_ptr, numel,
+                              BLOCK: tl.constexpr):
+    """grad_value = (whole + fraction / ratio) / scale in out's dtype: the exact sums, rounded once (the
+    divisions are by powers of two). out may be whole_ptr itself."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < numel
+    scale, ratio = _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr)
+    whole = tl.load(whole_ptr + offsets, mask=ok)
+    fraction = tl.load(fraction_ptr + offsets, mask=ok)
+    tl.store(out_ptr + offsets, ((whole + fraction / ratio) / scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad_out_ptr,
-                    grad_value_ptr, grad_loc_ptr, grad_weight_ptr, scale_ptr,
+                    grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
+                    mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                     FIXED_POINT: tl.constexpr):
     """Program i handles rows [i*BLOCK_R, +BLOCK_R) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
-    FIXED_POINT as int64 fixed point at the scale in scale_ptr (the deterministic mode)."""
+    FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
+    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
     m = rows % M
     head_base = (b * S * M + m) * D
     pixel_stride = M * D
-    scale = 0.0
+    scale = 1.0
+    ratio = 1.0
     if FIXED_POINT:
-        scale = tl.load(scale_ptr)
+        scale, ratio = _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr)
     for level in range(L):
         for point in range(P):
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
@@ -156,10 +225,10 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 gv01 += tl.sum(g * tl.load(value_ptr + o01, mask=k01, other=0.0).to(tl.float32), axis=1)
                 gv10 += tl.sum(g * tl.load(value_ptr + o10, mask=k10, other=0.0).to(tl.float32), axis=1)
                 gv11 += tl.sum(g * tl.load(value_ptr + o11, mask=k11, other=0.0).to(tl.float32), axis=1)
-                _accumulate(grad_value_ptr + o00, (a * w00)[:, None] * g, k00, scale, FIXED_POINT)
-                _accumulate(grad_value_ptr + o01, (a * w01)[:, None] * g, k01, scale, FIXED_POINT)
-                _accumulate(grad_value_ptr + o10, (a * w10)[:, None] * g, k10, scale, FIXED_POINT)
-                _accumulate(grad_value_ptr + o11, (a * w11)[:, None] * g, k11, scale, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio, FIXED_POINT)
             grad_a = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
             grad_x = a * Wf * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # W_l: chain rule of loc * W
             grad_y = a * Hf * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))
