@@ -71,7 +71,8 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     maxima from fixed_point_maxima."""
     sizes = _sizes(value, sampling_locations)
     n_rows, D = sizes[0], sizes[4]
-    block_r, block_d, num_warps = config or kernels.launch_config(D, backward=True)
+    block_r, block_d, num_warps = config or kernels.launch_config(D, backward=True,
+                                                                   fixed_point=fixed_point is not None)
     fraction, maxima = fixed_point or (None, (None, None, None))
     with _on_device(value):
         kernels.backward_kernel[(triton.cdiv(n_rows, block_r),)](

@@ -38,9 +38,9 @@ def _variants():
         yield (f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype,
                                                            "out_ptr": dtype}, {"BLOCK_R": block_r, "BLOCK_D": block_d},
                num_warps)
-        block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=True)
         for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
+            block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=True, fixed_point=fixed_point)
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
