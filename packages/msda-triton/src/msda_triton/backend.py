@@ -117,9 +117,9 @@ def _limits(inputs) -> list:
     if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
         return [f"needs compute capability 8.0+, {inputs.device} has "
                 f"{'.'.join(map(str, torch.cuda.get_device_capability(inputs.device)))}"]
-    if inputs.deterministic and inputs.queries * inputs.levels * inputs.points >= 2 ** 23:
-        return [f"the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got "
-                f"{inputs.queries * inputs.levels * inputs.points}"]
+    terms = inputs.queries * inputs.levels * inputs.points  # the most an element of grad_value receives
+    if inputs.deterministic and terms >= 2 ** 23:
+        return [f"the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got {terms}"]
     if INTERPRETED and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
         return ["Triton's interpreter has no bf16 atomic add: use grad_accum='fp32' or 'auto' on CPU"]
     return []
