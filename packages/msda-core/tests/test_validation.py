@@ -164,6 +164,32 @@ def test_level_values_are_read_once_per_tensor_version(inputs, spy_backend, monk
         torch.ops.msda.deform_attn(**inputs, backend="spy")
 
 
+def test_starts_derived_from_the_values_read_are_reused_until_the_shapes_change():
+    """With level_start_index=None the op takes the starts validation derived when it read spatial_shapes:
+    no device work per call for the same live, unmodified tensor."""
+    seen = []
+    msda_core.register(msda_core.Backend(
+        "starts_spy", forward=lambda v, s, starts, l, w: seen.append(starts) or v.new_zeros(l.shape[0], l.shape[1], 1),
+        backward=None, devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32})))
+    try:
+        inputs = tiny_inputs(torch.float32)
+        inputs["level_start_index"] = None
+        for _ in range(2):
+            torch.ops.msda.deform_attn(**inputs, backend="starts_spy")
+        assert seen[0] is seen[1] and seen[0].tolist() == [0, 24]
+        inputs["spatial_shapes"].add_(0)  # a new version: read and derived again
+        torch.ops.msda.deform_attn(**inputs, backend="starts_spy")
+        assert seen[2] is not seen[1] and seen[2].tolist() == [0, 24]
+        with torch.inference_mode():  # no version counter: derived on every call
+            inference = tiny_inputs(torch.float32)
+        inference["level_start_index"] = None
+        for _ in range(2):
+            torch.ops.msda.deform_attn(**inference, backend="starts_spy")
+        assert seen[3] is not seen[4] and seen[4].tolist() == [0, 24]
+    finally:
+        msda_core.unregister("starts_spy")
+
+
 def test_memo_entry_goes_with_the_tensor(inputs, spy_backend):
     torch.ops.msda.deform_attn(**inputs, backend="spy")
     key = id(inputs["spatial_shapes"])

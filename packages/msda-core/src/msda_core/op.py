@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .validation import check_grad_accum, check_inputs
+from .validation import check_grad_accum, check_inputs, derived_level_start_index
 
 torch.library.define(
     "msda::deform_attn",
@@ -42,6 +42,8 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
     chosen = registry.resolve(registry.requested(backend), inputs)
+    if level_start_index is None:  # the one validation derived when it read spatial_shapes, if any
+        level_start_index = derived_level_start_index(value.shape[1], spatial_shapes)
     if level_start_index is None:  # on the device: no host sync, so it also works inside graph capture
         sizes = spatial_shapes.to(torch.int64).prod(1)
         level_start_index = sizes.cumsum(0) - sizes

@@ -90,12 +90,13 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
 
     index_tensors = (spatial_shapes,) if level_start_index is None else (spatial_shapes, level_start_index)
     if _can_read_values(index_tensors) and not _already_checked(S, spatial_shapes, level_start_index):
-        _check_level_values(S, spatial_shapes, level_start_index)
-        _remember_checked(S, spatial_shapes, level_start_index)
+        starts = _check_level_values(S, spatial_shapes, level_start_index)
+        _remember_checked(S, spatial_shapes, level_start_index, starts)
 
 
 # Reading spatial_shapes on CUDA synchronizes with the device, so each live index tensor is read once
-# per version: id(spatial_shapes) -> (S, its version, level_start_index's id and version). A live
+# per version: id(spatial_shapes) -> ((S, its version, level_start_index's id and version), starts), where
+# starts is the level_start_index derived from the values read when none was passed (else None). A live
 # object keeps its id, any in-place write bumps its version, and the entry goes when the tensor does.
 # Tensors made under torch.inference_mode() have no version counter: they are read on every call.
 _checked_levels: dict = {}
@@ -111,11 +112,12 @@ def _versioned(spatial_shapes, level_start_index) -> bool:
 
 
 def _already_checked(S, spatial_shapes, level_start_index) -> bool:
-    return (_versioned(spatial_shapes, level_start_index)
-            and _checked_levels.get(id(spatial_shapes)) == _level_key(S, spatial_shapes, level_start_index))
+    entry = _checked_levels.get(id(spatial_shapes))
+    return (_versioned(spatial_shapes, level_start_index) and entry is not None
+            and entry[0] == _level_key(S, spatial_shapes, level_start_index))
 
 
-def _remember_checked(S, spatial_shapes, level_start_index) -> None:
+def _remember_checked(S, spatial_shapes, level_start_index, starts: list) -> None:
     if not _versioned(spatial_shapes, level_start_index):
         return
     key = id(spatial_shapes)
@@ -123,11 +125,23 @@ def _remember_checked(S, spatial_shapes, level_start_index) -> None:
         weakref.finalize(spatial_shapes, _checked_levels.pop, key, None)
     if level_start_index is not None:  # its id must not be reused while the entry names it
         weakref.finalize(level_start_index, _checked_levels.pop, key, None)
-    _checked_levels[key] = _level_key(S, spatial_shapes, level_start_index)
+    derived = None if level_start_index is not None else torch.tensor(starts, device=spatial_shapes.device)
+    _checked_levels[key] = (_level_key(S, spatial_shapes, level_start_index), derived)
 
 
-def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> None:
-    """The level table must describe value's S rows exactly, or a kernel would read past them."""
+def derived_level_start_index(S: int, spatial_shapes: torch.Tensor):
+    """The int64 level_start_index derived when this version of spatial_shapes was checked with none
+    passed, or None where it is not known: fake tensors, CUDA graph capture (a graph must derive it from
+    the live spatial_shapes on each replay), inference tensors, a version not yet checked."""
+    if not _can_read_values((spatial_shapes,)) or not _versioned(spatial_shapes, None):
+        return None
+    entry = _checked_levels.get(id(spatial_shapes))
+    return entry[1] if entry is not None and entry[0] == _level_key(S, spatial_shapes, None) else None
+
+
+def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
+    """The level table must describe value's S rows exactly, or a kernel would read past them. Returns
+    the level starts the shapes imply."""
     shapes = spatial_shapes.tolist()
     for l, (h, w) in enumerate(shapes):
         if h <= 0 or w <= 0:
@@ -143,6 +157,7 @@ def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index)
             f"level_start_index: expected the exclusive cumulative sum of H_l * W_l, {starts}, "
             f"got {level_start_index.tolist()}"
         )
+    return starts
 
 
 def level_starts(shapes: list) -> list:
