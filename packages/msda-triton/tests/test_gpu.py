@@ -9,6 +9,7 @@ from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
 
 import msda_core
 import msda_testkit as kit
+from msda_triton import backend, kernels
 
 pytestmark = gpu_only
 F16, F32 = torch.float16, torch.float32
@@ -52,6 +53,21 @@ def test_offsets_past_2_pow_31():
         assert torch.equal(full[name][1:].isnan(), alone[name].isnan()), name
         kit.assert_close(name, full[name][1:], alone[name], kit.tolerance(F16, "atomic"))
     assert full["output"][1].abs().sum() > 0
+
+
+def test_head_major_forward_offsets_past_2_pow_31():
+    """The fp32 forward with Q >= 2048 walks head-major (kernels.launch_config). value has 2.2e9 elements:
+    batch 1's heads sit past 2^31, and its output must equal batch 1's alone, bit for bit."""
+    B, H, W, M, D, Q, P = 2, 2048, 2100, 8, 32, 2048, 4
+    assert B * H * W * M * D > 2 ** 31 and kernels.launch_config(D, backward=False, value_fp32=True, Q=Q)[3]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    value = torch.randn(B, H * W, M, D, device="cuda", generator=g)
+    shapes, starts = torch.tensor([[H, W]], device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    loc = 0.9 + 0.1 * torch.rand(B, Q, M, 1, P, 2, device="cuda", generator=g)  # the far corner of the map
+    weights = torch.rand(B, Q, M, 1, P, device="cuda", generator=g)
+    full = backend.forward(value, shapes, starts, loc, weights)
+    alone = backend.forward(value[1:], shapes, starts, loc[1:], weights[1:])
+    assert torch.equal(full[1:], alone) and alone.abs().sum() > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")

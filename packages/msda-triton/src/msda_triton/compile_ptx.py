@@ -34,13 +34,16 @@ ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_v
 def _variants():
     """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=False)
-        yield (f"forward {dtype}", kernels.forward_kernel, {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype,
-                                                           "out_ptr": dtype}, {"BLOCK_R": block_r, "BLOCK_D": block_d},
-               num_warps)
+        for order in ("row", "head") if dtype == "fp32" else ("row",):  # launch_config walks head-major in fp32 only
+            block_r, block_d, num_warps, head_major = kernels.launch_config(
+                INTS["D"], backward=False, value_fp32=dtype == "fp32", Q=INTS["Q"] if order == "head" else 0)
+            yield (f"forward {dtype} {order}-major", kernels.forward_kernel,
+                   {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
+                   {"BLOCK_R": block_r, "BLOCK_D": block_d, "HEAD_MAJOR": head_major}, num_warps)
         for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
-            block_r, block_d, num_warps = kernels.launch_config(INTS["D"], backward=True, fixed_point=fixed_point)
+            block_r, block_d, num_warps, _ = kernels.launch_config(
+                INTS["D"], backward=True, half_atomics=(accumulator or dtype) != "fp32")
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")

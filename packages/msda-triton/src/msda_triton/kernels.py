@@ -10,15 +10,37 @@ import triton
 import triton.language as tl
 
 
-def launch_config(D: int, backward: bool, fixed_point: bool = False) -> tuple:
-    """(BLOCK_R, BLOCK_D, num_warps): the channel block covers D up to 64, rows fill ~2048 elements per
-    program. The forward runs 2 warps, the backward 4: measured on the H200 (BENCHMARKS.md, encoder B2),
-    2 warps cut the forward by 28% (fp32) and 11% (bf16) and slow the backward down to 1.8x. The
-    deterministic backward (two atomic adds per element) takes 16 rows: encoder B2 fp32 2.13 against 2.25 ms
-    with 64, decoder B4 Q300 0.095 against 0.122 ms."""
+def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, half_atomics: bool = False) -> tuple:
+    """(BLOCK_R, BLOCK_D, num_warps, HEAD_MAJOR). The channel block covers D up to 64; the backward loops over
+    channel blocks. Timed on the H200 by replaying CUDA graphs (``python -m msda_triton.tune`` and
+    ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
+    - forward, 32 rows on 1 warp (2 warps from D > 32): fp32 0.324 against 0.342 ms with the former 64 rows
+      on 2 warps, bf16 0.188 against 0.200, decoder B4 Q300 0.021 against 0.022 (fp32), 0.015 against 0.017;
+    - the fp32 forward with many queries (Q >= 2048, D <= 32) walks head-major: 0.309 ms; at Q 300 it loses
+      (0.022 against 0.021), and in bf16 at every size (0.244 against 0.188);
+    - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
+      warps: fp32 0.867 against 1.05 ms with 64 rows; deterministic 2.13 against 2.25;
+    - backward with fp16/bf16 atomic adds (``half_atomics``), 64 rows on 4 warps: 16 rows took fp16 0.709
+      against 0.608 ms, bf16 0.684 against 0.613."""
     block_d = min(triton.next_power_of_2(D), 64)
-    block_r = 16 if fixed_point else max(16, min(128, 2048 // block_d))
-    return block_r, block_d, 4 if backward else 2
+    if backward:
+        return max(16, min(128, 2048 // block_d)) if half_atomics else 16, block_d, 4, False
+    return 32, block_d, 1 if block_d <= 32 else 2, value_fp32 and D <= 32 and Q >= 2048
+
+
+@triton.jit
+def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr):
+    """This program's rows and their mask. Row-major: BLOCK_R consecutive rows, so (b, q) blocks with all M
+    heads. HEAD_MAJOR: one (b, m) per program and BLOCK_R consecutive queries of it, consecutive programs
+    walking the queries of one head: the samples an SM serves then come from one head's value, whose small
+    levels stay in L1 (ncu, encoder B2 fp32: L1 hit rate 54% against 25%)."""
+    if HEAD_MAJOR:
+        n_blocks = tl.cdiv(Q, BLOCK_R)
+        head = tl.program_id(0).to(tl.int64) // n_blocks  # b * M + m
+        q = (tl.program_id(0) % n_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        return ((head // M) * Q + q) * M + head % M, q < Q
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < n_rows
 
 
 @triton.jit
@@ -65,10 +87,10 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok, level, p
 
 @triton.jit
 def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_ptr,
-                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (i, j) computes rows [i*BLOCK_R, +BLOCK_R) and channels [j*BLOCK_D, +BLOCK_D)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_MAJOR: tl.constexpr):
+    """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D)."""
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
@@ -126,8 +148,8 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
 
 @triton.jit
 def _pow2(e):
-    """2.0 ** e, exactly, for an integer e in [-126, 127]."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+    """2.0 ** e, exactly, for an integer e clamped into [-126, 126]."""
+    return ((tl.minimum(tl.maximum(e, -126), 126) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -146,9 +168,9 @@ def _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr):
     when the bound is not finite (every element of grad_value is then NaN), 1 when it is 0 (every term is 0)."""
     units = 4.0 * tl.load(mass_max_ptr).to(tl.float32)
     bound = units * (tl.load(weight_max_ptr).to(tl.float32) / MASS_UNITS) * tl.load(grad_max_ptr).to(tl.float32)
-    scale = _pow2(tl.minimum(tl.maximum(22 - _exponent(bound), -126), 126))
+    scale = _pow2(22 - _exponent(bound))
     scale = tl.where(bound == 0.0, 1.0, tl.where(bound < float("inf"), scale, float("nan")))
-    ratio = tl.where(units > 0.0, _pow2(tl.minimum(tl.maximum(22 - _exponent(units), -126), 126)), 1.0)
+    ratio = tl.where(units > 0.0, _pow2(22 - _exponent(units)), 1.0)
     return scale, ratio
 
 

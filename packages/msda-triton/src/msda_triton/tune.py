@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128])
     parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--orders", nargs="*", default=["row", "head"], choices=["row", "head"],
+                        help="row-major or head-major blocks of rows (kernels._block_rows; the forward's only)")
     args = parser.parse_args(argv)
     rows = []
     for dtype_name in args.dtypes:
@@ -37,16 +39,16 @@ def main(argv=None) -> int:
         grad_output = kit.grad_output_for(inputs)
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
-        for block_r, warps in itertools.product(args.block_r, args.warps):
-            config = (block_r, launch_config(D, backward=False)[1], warps)
+        for block_r, warps, order in itertools.product(args.block_r, args.warps, args.orders):
+            config = (block_r, launch_config(D, backward=False)[1], warps, order == "head")
             fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
                 value, shapes, starts, loc, weights, out, config))
-            bwd = triton.testing.do_bench_cudagraph(lambda: launch_backward(
-                grad_output, value, shapes, starts, loc, weights, *grads, config=config))
-            rows.append([args.case, dtype_name, block_r, config[1], warps, fwd, bwd])
+            bwd = None if order == "head" else triton.testing.do_bench_cudagraph(lambda: launch_backward(
+                grad_output, value, shapes, starts, loc, weights, *grads, config=config))  # row-major only
+            rows.append([args.case, dtype_name, order, block_r, config[1], warps, fwd, bwd])
             print(rows[-1], flush=True)
-    print(tabulate(rows, headers=["case", "dtype", "BLOCK_R", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"],
-                   floatfmt=".4g"))
+    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_D", "warps", "fwd ms",
+                                                  "bwd ms (fp32 acc)"]))
     return 0
 
 
