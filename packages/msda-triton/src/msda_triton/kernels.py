@@ -16,8 +16,8 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, 
     ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
     - forward, 32 rows on 1 warp (2 warps from D > 32): fp32 0.324 against 0.342 ms with the former 64 rows
       on 2 warps, bf16 0.188 against 0.200, decoder B4 Q300 0.021 against 0.022 (fp32), 0.015 against 0.017;
-    - the fp32 forward with many queries (Q >= 2048, D <= 32) walks head-major: 0.309 ms; at Q 300 it loses
-      (0.022 against 0.021), and in bf16 at every size (0.244 against 0.188);
+    - the fp32 forward with many queries (Q >= 2048, D <= 32) walks head-major: 0.309 against 0.324 ms
+      row-major; at Q 300 it loses (0.022 against 0.021), and in bf16 at every size (0.244 against 0.188);
     - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
       warps: fp32 0.867 against 1.05 ms with 64 rows; deterministic 2.13 against 2.25;
     - backward with fp16/bf16 atomic adds (``half_atomics``), 64 rows on 4 warps: 16 rows took fp16 0.709
@@ -33,7 +33,7 @@ def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr):
     """This program's rows and their mask. Row-major: BLOCK_R consecutive rows, so (b, q) blocks with all M
     heads. HEAD_MAJOR: one (b, m) per program and BLOCK_R consecutive queries of it, consecutive programs
     walking the queries of one head: the samples an SM serves then come from one head's value, whose small
-    levels stay in L1 (ncu, encoder B2 fp32: L1 hit rate 54% against 25%)."""
+    levels stay in L1 (Nsight Compute, encoder B2 fp32: L1 hit rate 54% against 25%; BENCHMARKS.md)."""
     if HEAD_MAJOR:
         n_blocks = tl.cdiv(Q, BLOCK_R)
         head = tl.program_id(0).to(tl.int64) // n_blocks  # b * M + m
