@@ -133,10 +133,9 @@ def derived_level_start_index(S: int, spatial_shapes: torch.Tensor):
     """The int64 level_start_index derived when this version of spatial_shapes was checked with none
     passed, or None where it is not known: fake tensors, CUDA graph capture (a graph must derive it from
     the live spatial_shapes on each replay), inference tensors, a version not yet checked."""
-    if not _can_read_values((spatial_shapes,)) or not _versioned(spatial_shapes, None):
+    if not _can_read_values((spatial_shapes,)) or not _already_checked(S, spatial_shapes, None):
         return None
-    entry = _checked_levels.get(id(spatial_shapes))
-    return entry[1] if entry is not None and entry[0] == _level_key(S, spatial_shapes, None) else None
+    return _checked_levels[id(spatial_shapes)][1]
 
 
 def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
