@@ -55,16 +55,21 @@ def test_offsets_past_2_pow_31():
     assert full["output"][1].abs().sum() > 0
 
 
-def test_head_major_forward_offsets_past_2_pow_31():
-    """The fp32 forward with Q >= 2048 walks head-major (kernels.launch_config). value has 2.2e9 elements:
-    batch 1's heads sit past 2^31, and its output must equal batch 1's alone, bit for bit."""
-    B, H, W, M, D, Q, P = 2, 2048, 2100, 8, 32, 2048, 4
-    assert B * H * W * M * D > 2 ** 31 and kernels.launch_config(D, backward=False, value_fp32=True, Q=Q)[3]
+@pytest.mark.parametrize("dtype, Q, blocks", [(F32, 2048, (4, 1, False)), (torch.bfloat16, 2048, (4, 4, False)),
+                                             (F32, 16384, (32, 1, True))])
+def test_forward_offsets_past_2_pow_31(dtype, Q, blocks):
+    """value has 2.2e9 elements: batch 1's heads sit past 2^31, and its output must equal batch 1's alone, bit
+    for bit, under each of kernels.launch_config's rules for the forward: (BLOCK_R, BLOCK_S, HEAD_MAJOR)."""
+    B, H, W, M, D, P = 2, 2048, 2100, 8, 32, 4
+    assert B * H * W * M * D > 2 ** 31
+    for rows in (B * Q * M, Q * M):  # the full batch and batch 1 alone
+        chosen = kernels.launch_config(D, backward=False, value_fp32=dtype == F32, Q=Q, rows=rows)[0]
+        assert (chosen["BLOCK_R"], chosen["BLOCK_S"], chosen["HEAD_MAJOR"]) == blocks
     g = torch.Generator(device="cuda").manual_seed(0)
-    value = torch.randn(B, H * W, M, D, device="cuda", generator=g)
+    value = torch.randn(B, H * W, M, D, device="cuda", generator=g, dtype=dtype)
     shapes, starts = torch.tensor([[H, W]], device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
-    loc = 0.9 + 0.1 * torch.rand(B, Q, M, 1, P, 2, device="cuda", generator=g)  # the far corner of the map
-    weights = torch.rand(B, Q, M, 1, P, device="cuda", generator=g)
+    loc = (0.9 + 0.1 * torch.rand(B, Q, M, 1, P, 2, device="cuda", generator=g)).to(dtype)  # the map's far corner
+    weights = torch.rand(B, Q, M, 1, P, device="cuda", generator=g).to(dtype)
     full = backend.forward(value, shapes, starts, loc, weights)
     alone = backend.forward(value[1:], shapes, starts, loc[1:], weights[1:])
     assert torch.equal(full[1:], alone) and alone.abs().sum() > 0

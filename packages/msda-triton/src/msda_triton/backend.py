@@ -41,14 +41,14 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
     """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config."""
     sizes = _sizes(value, sampling_locations)
     n_rows, Q, _, M, D = sizes[:5]
-    block_r, block_d, num_warps, head_major = config or kernels.launch_config(
-        D, backward=False, value_fp32=value.dtype == torch.float32, Q=Q)
-    row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if head_major else triton.cdiv(n_rows, block_r)
-    grid = (row_blocks, triton.cdiv(D, block_d))
+    blocks, num_warps = config or kernels.launch_config(
+        D, backward=False, value_fp32=value.dtype == torch.float32, Q=Q, rows=n_rows)
+    block_r = blocks["BLOCK_R"]
+    row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"] else triton.cdiv(n_rows, block_r)
     with _on_device(value):
-        kernels.forward_kernel[grid](value, spatial_shapes, level_start_index, sampling_locations,
-                                     attention_weights, out, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
-                                     HEAD_MAJOR=head_major, num_warps=num_warps)
+        kernels.forward_kernel[(row_blocks, triton.cdiv(D, blocks["BLOCK_D"]))](
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes, **blocks,
+            num_warps=num_warps)
 
 
 def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
@@ -72,13 +72,13 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
     maxima from fixed_point_maxima."""
     sizes = _sizes(value, sampling_locations)
-    block_r, block_d, num_warps, _ = config or kernels.launch_config(
+    blocks, num_warps = config or kernels.launch_config(
         sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
     fraction, maxima = fixed_point or (None, (None, None, None))
     with _on_device(value):
-        kernels.backward_kernel[(triton.cdiv(sizes[0], block_r),)](
+        kernels.backward_kernel[(triton.cdiv(sizes[0], blocks["BLOCK_R"]),)](
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-            grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes, BLOCK_R=block_r, BLOCK_D=block_d,
+            grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes, **blocks,
             FIXED_POINT=fixed_point is not None, num_warps=num_warps)
 
 

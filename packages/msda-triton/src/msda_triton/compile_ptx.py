@@ -1,6 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
-(forward and backward x fp32/fp16/bf16 x native/fp32/fixed-point accumulation, and the deterministic
-mode's two helper kernels).
+(the forward under each of launch_config's rules and the backward x native/fp32/fixed-point accumulation,
+x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -34,15 +34,16 @@ ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_v
 def _variants():
     """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        for order in ("row", "head") if dtype == "fp32" else ("row",):  # launch_config walks head-major in fp32 only
-            block_r, block_d, num_warps, head_major = kernels.launch_config(
-                INTS["D"], backward=False, value_fp32=dtype == "fp32", Q=INTS["Q"] if order == "head" else 0)
-            yield (f"forward {dtype} {order}-major", kernels.forward_kernel,
-                   {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
-                   {"BLOCK_R": block_r, "BLOCK_D": block_d, "HEAD_MAJOR": head_major}, num_warps)
+        rules = {"row-major": {"Q": 0, "rows": INTS["n_rows"]}, "few-rows": {"Q": 300, "rows": 4 * 300 * 8}}
+        if dtype == "fp32":  # launch_config walks head-major in fp32 only
+            rules["head-major"] = {"Q": INTS["Q"], "rows": INTS["n_rows"]}
+        for rule, sizes in rules.items():
+            blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32", **sizes)
+            yield (f"forward {dtype} {rule}", kernels.forward_kernel,
+                   {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype}, blocks, num_warps)
         for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
-            block_r, block_d, num_warps, _ = kernels.launch_config(
+            blocks, num_warps = kernels.launch_config(
                 INTS["D"], backward=True, half_atomics=(accumulator or dtype) != "fp32")
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
@@ -50,7 +51,7 @@ def _variants():
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
             yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
-                   {"BLOCK_R": block_r, "BLOCK_D": block_d, "FIXED_POINT": fixed_point}
+                   blocks | {"FIXED_POINT": fixed_point}
                    | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
                {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, {"BLOCK_R": 128}, 4)

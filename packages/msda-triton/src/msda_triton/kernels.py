@@ -9,13 +9,20 @@ All arithmetic is fp32 whatever the storage dtype.
 import triton
 import triton.language as tl
 
+FEW_ROWS = 2 ** 17  # B*Q*M rows below which the forward takes small blocks (launch_config)
 
-def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, half_atomics: bool = False) -> tuple:
-    """(BLOCK_R, BLOCK_D, num_warps, HEAD_MAJOR). The channel block covers D up to 64; the backward loops over
-    channel blocks. Timed on the H200 by replaying CUDA graphs (``python -m msda_triton.tune`` and
-    ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
-    - forward, 32 rows on 1 warp (2 warps from D > 32): fp32 0.324 against 0.342 ms with the former 64 rows
-      on 2 warps, bf16 0.188 against 0.200, decoder B4 Q300 0.021 against 0.022 (fp32), 0.015 against 0.017;
+
+def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, rows: int = 0,
+                  half_atomics: bool = False) -> tuple:
+    """(the kernel's block constexprs, num_warps) for ``rows`` = B*Q*M rows. The channel block covers D up to
+    64; the backward loops over channel blocks. Timed on the H200 by replaying CUDA graphs
+    (``python -m msda_triton.tune`` and ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
+    - forward, 32 rows on 1 warp (2 warps from D > 32), one sample at a time: fp32 0.324 against 0.342 ms with
+      the former 64 rows on 2 warps, bf16 0.188 against 0.200;
+    - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and in
+      fp16/bf16 4 samples of each row per step. Decoder B4 Q300: fp32 0.0135 against 0.0214 ms (0.0152 with 4
+      samples per step), bf16 0.0093 against 0.0152 (0.0132 with one). bf16 at B4 Q2400 (76800 rows): 0.055
+      against 0.057; at B4 Q4800 (153600 rows): 0.104 against 0.096, hence the threshold;
     - the fp32 forward with many queries (Q >= 2048, D <= 32) walks head-major: 0.309 against 0.324 ms
       row-major; at Q 300 it loses (0.022 against 0.021), and in bf16 at every size (0.244 against 0.188);
     - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
@@ -24,8 +31,12 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, 
       against 0.608 ms, bf16 0.684 against 0.613."""
     block_d = min(triton.next_power_of_2(D), 64)
     if backward:
-        return max(16, min(128, 2048 // block_d)) if half_atomics else 16, block_d, 4, False
-    return 32, block_d, 1 if block_d <= 32 else 2, value_fp32 and D <= 32 and Q >= 2048
+        return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
+    num_warps = 1 if block_d <= 32 else 2
+    if rows < FEW_ROWS:
+        return {"BLOCK_R": 4, "BLOCK_S": 1 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False}, num_warps
+    return ({"BLOCK_R": 32, "BLOCK_S": 1, "BLOCK_D": block_d, "HEAD_MAJOR": value_fp32 and D <= 32 and Q >= 2048},
+            num_warps)
 
 
 @triton.jit
@@ -44,8 +55,9 @@ def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok, level, point, L, P):
-    """Load one sample per row and return its bilinear corners, sample weight and pixel coordinates.
+def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
+    """Load the samples at offsets ``sample`` (masked by ``ok``, of level ``level``: any shapes that broadcast)
+    and return their bilinear corners, sample weights and pixel coordinates.
 
     Corners are (pixel index into S, in-map mask, bilinear weight) in order 00, 01, 10, 11 (row, column).
     A non-finite coordinate is reported through ``finite`` and never becomes an address: coordinates
@@ -55,16 +67,15 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok, level, p
     H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
     start = tl.load(starts_ptr + level).to(tl.int64)
-    sample = rows * (L * P) + level * P + point
-    loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
-    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
-    a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
+    loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
+    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
     Wf = W.to(tl.float32)
     Hf = H.to(tl.float32)
     x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
     y = loc_y * Hf - 0.5
     finite = (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
-    safe = (x >= -1.0) & (x <= Wf) & (y >= -1.0) & (y <= Hf) & row_ok
+    safe = (x >= -1.0) & (x <= Wf) & (y >= -1.0) & (y <= Hf) & ok
     x = tl.where(safe, x, 0.0)
     y = tl.where(safe, y, 0.0)
     x0f = tl.floor(x)
@@ -87,34 +98,37 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok, level, p
 
 @triton.jit
 def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_ptr,
-                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_MAJOR: tl.constexpr):
-    """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D)."""
+    """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D), BLOCK_S samples of
+    each row per step: the corners are [BLOCK_R, BLOCK_S, BLOCK_D] gathers, so the loads of BLOCK_R * BLOCK_S
+    samples are in flight together."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    d_ok = (d < D)[None, None, :]
     b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
     m = rows % M
-    head_base = (b * S * M + m) * D  # value offset of pixel 0 of this row's head
+    base = ((b * S * M + m) * D)[:, None, None] + d[None, None, :]  # channel d of pixel 0 of the row's head
     pixel_stride = M * D
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    any_nonfinite = tl.zeros((BLOCK_R,), dtype=tl.int1)
-    for level in range(L):
-        for point in range(P):
-            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok,
-                                                  level, point, L, P)
-            any_nonfinite = any_nonfinite | ~finite
-            base = head_base[:, None] + d[None, :]
-            v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, None], mask=m00[:, None] & d_ok[None, :], other=0.0)
-            v01 = tl.load(value_ptr + base + (p01 * pixel_stride)[:, None], mask=m01[:, None] & d_ok[None, :], other=0.0)
-            v10 = tl.load(value_ptr + base + (p10 * pixel_stride)[:, None], mask=m10[:, None] & d_ok[None, :], other=0.0)
-            v11 = tl.load(value_ptr + base + (p11 * pixel_stride)[:, None], mask=m11[:, None] & d_ok[None, :], other=0.0)
-            acc += (a * w00)[:, None] * v00.to(tl.float32) + (a * w01)[:, None] * v01.to(tl.float32) \
-                + (a * w10)[:, None] * v10.to(tl.float32) + (a * w11)[:, None] * v11.to(tl.float32)
-    acc = tl.where(any_nonfinite[:, None], float("nan"), acc)  # grid_sample's NaN for a non-finite location
+    any_nonfinite = tl.zeros((BLOCK_R, BLOCK_S), dtype=tl.int1)
+    for s0 in range(0, L * P, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)[None, :]  # level * P + point
+        ok = row_ok[:, None] & (s < L * P)
+        (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
+         a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows[:, None] * (L * P) + s,
+                                              ok, tl.minimum(s // P, L - 1))
+        any_nonfinite = any_nonfinite | ~finite
+        v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, :, None], mask=m00[:, :, None] & d_ok, other=0.0)
+        v01 = tl.load(value_ptr + base + (p01 * pixel_stride)[:, :, None], mask=m01[:, :, None] & d_ok, other=0.0)
+        v10 = tl.load(value_ptr + base + (p10 * pixel_stride)[:, :, None], mask=m10[:, :, None] & d_ok, other=0.0)
+        v11 = tl.load(value_ptr + base + (p11 * pixel_stride)[:, :, None], mask=m11[:, :, None] & d_ok, other=0.0)
+        acc += tl.sum((a * w00)[:, :, None] * v00.to(tl.float32) + (a * w01)[:, :, None] * v01.to(tl.float32)
+                      + (a * w10)[:, :, None] * v10.to(tl.float32) + (a * w11)[:, :, None] * v11.to(tl.float32),
+                      axis=1)
+    acc = tl.where(tl.max(any_nonfinite.to(tl.int32), axis=1)[:, None] > 0, float("nan"), acc)  # as grid_sample
     out_offsets = rows[:, None] * D + d[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
 
 
 # The deterministic mode counts each sample's |a| in units of max|a| / MASS_UNITS (rounded up, so a nonzero
@@ -129,16 +143,15 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     whose first in-map corner (its 00 corner clamped into the map) is pixel s. Integer adds: deterministic.
     An element at pixel s receives terms only from samples anchored at s, s-1, s-W or s-W-1, so 4 * max(mass)
     bounds both its count of terms and its sum of |a| in units. One atomic per sample, not four."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
     b = rows // M // Q
     m = rows % M
     per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
     for level in range(L):
         for point in range(P):
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok,
-                                                  level, point, L, P)
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr,
+                                                  rows * (L * P) + level * P + point, row_ok, level)
             anchor = tl.where(m00, p00, tl.where(m01, p01, tl.where(m10, p10, p11)))
             units = tl.ceil(tl.abs(a) * per_unit)
             units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
@@ -208,13 +221,12 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                     FIXED_POINT: tl.constexpr):
-    """Program i handles rows [i*BLOCK_R, +BLOCK_R) over all channels, so the three dot products
+    """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
     maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
     b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
     m = rows % M
     head_base = (b * S * M + m) * D
@@ -225,9 +237,9 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
         scale, ratio = _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr)
     for level in range(L):
         for point in range(P):
+            sample = rows * (L * P) + level * P + point
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows, row_ok,
-                                                  level, point, L, P)
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, row_ok, level)
             gv00 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # <g, v_corner> over all channels
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv10 = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -260,7 +272,6 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             grad_a = tl.where(finite, grad_a, float("nan"))
             grad_x = tl.where(finite, grad_x, float("nan"))
             grad_y = tl.where(finite, grad_y, float("nan"))
-            sample = rows * (L * P) + level * P + point
             tl.store(grad_weight_ptr + sample, grad_a.to(grad_weight_ptr.dtype.element_ty), mask=row_ok)
             tl.store(grad_loc_ptr + 2 * sample, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=row_ok)
             tl.store(grad_loc_ptr + 2 * sample + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=row_ok)

@@ -7,6 +7,7 @@ replaying a CUDA graph of the bare kernel launch (no host overhead), median of t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -23,15 +24,21 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="encoder_b2")
+    parser.add_argument("--batch", type=int, help="the case with this batch size instead")
+    parser.add_argument("--queries", type=int, help="the case with this many queries instead")
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--block-s", nargs="*", type=int, default=[1],
+                        help="samples of each row per step (the forward's only)")
     parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--orders", nargs="*", default=["row", "head"], choices=["row", "head"],
                         help="row-major or head-major blocks of rows (kernels._block_rows; the forward's only)")
     args = parser.parse_args(argv)
+    case = kit.case(args.case)
+    case = dataclasses.replace(case, batch=args.batch or case.batch, queries=args.queries or case.queries)
     rows = []
     for dtype_name in args.dtypes:
-        inputs = kit.make_inputs(kit.case(args.case), DTYPES[dtype_name], device="cuda")
+        inputs = kit.make_inputs(case, DTYPES[dtype_name], device="cuda")
         value, shapes, starts, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "level_start_index",
                                                                   "sampling_locations", "attention_weights"))
         D = value.shape[3]
@@ -39,16 +46,18 @@ def main(argv=None) -> int:
         grad_output = kit.grad_output_for(inputs)
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
-        for block_r, warps, order in itertools.product(args.block_r, args.warps, args.orders):
-            config = (block_r, launch_config(D, backward=False)[1], warps, order == "head")
-            fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(
-                value, shapes, starts, loc, weights, out, config))
-            bwd = None if order == "head" else triton.testing.do_bench_cudagraph(lambda: launch_backward(
-                grad_output, value, shapes, starts, loc, weights, *grads, config=config))  # row-major only
-            rows.append([args.case, dtype_name, order, block_r, config[1], warps, fwd, bwd])
+        block_d = launch_config(D, backward=True)[0]["BLOCK_D"]
+        for block_r, block_s, warps, order in itertools.product(args.block_r, args.block_s, args.warps, args.orders):
+            fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(value, shapes, starts, loc, weights, out, (
+                {"BLOCK_R": block_r, "BLOCK_S": block_s, "BLOCK_D": block_d, "HEAD_MAJOR": order == "head"}, warps)))
+            bwd = None if order == "head" or block_s > 1 else triton.testing.do_bench_cudagraph(
+                lambda: launch_backward(grad_output, value, shapes, starts, loc, weights, *grads,
+                                        config=({"BLOCK_R": block_r, "BLOCK_D": block_d}, warps)))  # row-major only
+            rows.append([f"{case.name} B{case.batch} Q{case.queries}", dtype_name, order, block_r, block_s, block_d,
+                         warps, fwd, bwd])
             print(rows[-1], flush=True)
-    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_D", "warps", "fwd ms",
-                                                  "bwd ms (fp32 acc)"]))
+    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_S", "BLOCK_D", "warps",
+                                                  "fwd ms", "bwd ms (fp32 acc)"]))
     return 0
 
 
