@@ -59,10 +59,11 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
     grad_max = torch.linalg.vector_norm(grad_output, float("inf"))
     n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
+    blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
     with _on_device(value):
-        kernels.anchor_mass_kernel[(triton.cdiv(n_rows, 128),)](
+        kernels.anchor_mass_kernel[(triton.cdiv(n_rows, blocks["BLOCK_R"]),)](
             spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
-            n_rows, Q, S, M, L, P, BLOCK_R=128, num_warps=4)  # one row per thread
+            n_rows, Q, S, M, L, P, **blocks, num_warps=num_warps)
     return weight_max, grad_max, mass.amax()
 
 
@@ -108,9 +109,10 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     fraction, maxima = torch.zeros_like(grad_value), fixed_point_maxima(grad_output, *inputs)
     launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
+    blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
     with _on_device(value):
-        kernels.fixed_point_finish_kernel[(triton.cdiv(value.numel(), 1024),)](
-            grad_value, fraction, *maxima, out, value.numel(), BLOCK=1024, num_warps=4)
+        kernels.fixed_point_finish_kernel[(triton.cdiv(value.numel(), blocks["BLOCK"]),)](
+            grad_value, fraction, *maxima, out, value.numel(), **blocks, num_warps=num_warps)
     return out, grad_locations, grad_weights
 
 

@@ -54,10 +54,10 @@ def _variants():
                    blocks | {"FIXED_POINT": fixed_point}
                    | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
-               {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, {"BLOCK_R": 128}, 4)
+               {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, *kernels.ANCHOR_MASS_LAUNCH)
         yield (f"fixed-point finish {dtype}", kernels.fixed_point_finish_kernel,
                {"whole_ptr": "fp32", "fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype,
-                "out_ptr": dtype}, {"BLOCK": 1024}, 4)
+                "out_ptr": dtype}, *kernels.FIXED_POINT_FINISH_LAUNCH)
 
 
 def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int) -> str:

@@ -55,6 +55,13 @@ def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _head_start(rows, Q, S, M):
+    """b * S * M + m for row r = (b * Q + q) * M + m: where pixel 0 of the row's head sits in a (B, S, M, ...)
+    tensor, in units of its trailing dimensions. No Q * M product: it could pass 2^31 in int32."""
+    return (rows // M // Q) * S * M + rows % M
+
+
+@triton.jit
 def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     """Load the samples at offsets ``sample`` (masked by ``ok``, of level ``level``: any shapes that broadcast)
     and return their bilinear corners, sample weights and pixel coordinates.
@@ -106,9 +113,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = (d < D)[None, None, :]
-    b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
-    m = rows % M
-    base = ((b * S * M + m) * D)[:, None, None] + d[None, None, :]  # channel d of pixel 0 of the row's head
+    base = (_head_start(rows, Q, S, M) * D)[:, None, None] + d[None, None, :]  # channel d of the head's pixel 0
     pixel_stride = M * D
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     any_nonfinite = tl.zeros((BLOCK_R, BLOCK_S), dtype=tl.int1)
@@ -131,6 +136,10 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
 
 
+# (constexprs, num_warps) of the deterministic mode's helper kernels: one row per thread; 1024 elements a program.
+ANCHOR_MASS_LAUNCH = ({"BLOCK_R": 128}, 4)
+FIXED_POINT_FINISH_LAUNCH = ({"BLOCK": 1024}, 4)
+
 # The deterministic mode counts each sample's |a| in units of max|a| / MASS_UNITS (rounded up, so a nonzero
 # weight is at least one unit and a unit count also bounds how many terms an element receives).
 MASS_UNITS = tl.constexpr(64.0)
@@ -144,8 +153,7 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     An element at pixel s receives terms only from samples anchored at s, s-1, s-W or s-W-1, so 4 * max(mass)
     bounds both its count of terms and its sum of |a| in units. One atomic per sample, not four."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
-    b = rows // M // Q
-    m = rows % M
+    head_start = _head_start(rows, Q, S, M)
     per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
     for level in range(L):
         for point in range(P):
@@ -155,7 +163,7 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
             anchor = tl.where(m00, p00, tl.where(m01, p01, tl.where(m10, p10, p11)))
             units = tl.ceil(tl.abs(a) * per_unit)
             units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
-            tl.atomic_add(mass_ptr + (b * S + anchor) * M + m, units.to(tl.int64), mask=m00 | m01 | m10 | m11,
+            tl.atomic_add(mass_ptr + head_start + anchor * M, units.to(tl.int64), mask=m00 | m01 | m10 | m11,
                           sem="relaxed")
 
 
@@ -227,9 +235,7 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
     maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
-    b = rows // M // Q  # no Q * M product: it could pass 2^31 in int32
-    m = rows % M
-    head_base = (b * S * M + m) * D
+    head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
     scale = 1.0
     ratio = 1.0
