@@ -87,3 +87,4 @@ def bench(session):
     session.install(TORCH, "setuptools>=70.1", "tabulate", "triton", "matplotlib")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_testkit.bench", *session.posargs)
+    session.run("python", "-m", "msda_testkit.overhead", "--calls", "500")  # the host floor, from the same run

@@ -12,17 +12,14 @@ import torch
 from . import registry
 from .validation import check_grad_accum, check_inputs, derived_level_start_index
 
-torch.library.define(
-    "msda::deform_attn",
-    "(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
-    "Tensor attention_weights, *, str backend='auto', str grad_accum='auto', bool? deterministic=None) -> Tensor",
-)
-torch.library.define(
-    "msda::deform_attn_backward",
-    "(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor? level_start_index, "
-    "Tensor sampling_locations, Tensor attention_weights, *, str backend, str grad_accum, bool? deterministic=None) "
-    "-> (Tensor, Tensor, Tensor)",
-)
+# The schemas, also read by msda_testkit.overhead to build a kernel-less op pair of the same shape.
+SCHEMA = ("(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
+          "Tensor attention_weights, *, str backend='auto', str grad_accum='auto', bool? deterministic=None) -> Tensor")
+BACKWARD_SCHEMA = ("(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor? level_start_index, "
+                   "Tensor sampling_locations, Tensor attention_weights, *, str backend, str grad_accum, "
+                   "bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
+torch.library.define("msda::deform_attn", SCHEMA)
+torch.library.define("msda::deform_attn_backward", BACKWARD_SCHEMA)
 
 
 def _output_shape(value, sampling_locations):
