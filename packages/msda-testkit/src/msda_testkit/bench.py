@@ -47,7 +47,7 @@ def must_move_bytes(inputs: dict, backward: bool) -> int:
     return 2 * reads + out  # read value, locations, weights and grad_output; write the three gradients
 
 
-def _median_ms(fn, device, repeats: int) -> float:
+def median_ms(fn, device, repeats: int) -> float:
     """GPU: triton's do_bench. CPU: at least ``repeats`` runs and at least one second of them."""
     if device.type == "cuda":
         import triton.testing
@@ -103,8 +103,8 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
     row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend,
            "grad_accum": "deterministic" if deterministic else grad_accum,
            "B": case.batch, "Q": case.queries}
-    row["fwd_ms"] = _median_ms(forward, device, repeats)
-    row["bwd_ms"] = _median_ms(forward_backward, device, repeats) - row["fwd_ms"]
+    row["fwd_ms"] = median_ms(forward, device, repeats)
+    row["bwd_ms"] = median_ms(forward_backward, device, repeats) - row["fwd_ms"]
     if device.type == "cuda":
         fwd_graph = _graph_ms(forward)
         both_graph = _graph_ms(forward_backward)

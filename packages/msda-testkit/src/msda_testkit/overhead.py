@@ -24,7 +24,7 @@ from tabulate import tabulate
 import msda_core
 from msda_core import op
 
-from .bench import _median_ms
+from .bench import median_ms
 from .cases import case, grad_output_for, make_inputs
 
 _NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
@@ -117,8 +117,8 @@ def main(argv=None) -> int:
     layers |= {
         "msda op, no-op backend": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
                                                                 backend="overhead_noop"),
-        f"msda op, backend {args.backend!r}": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
-                                                                            backend=args.backend),
+        f"msda op, backend {chosen.name!r}": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
+                                                                           backend=chosen.name),
     }
     rows = []
     try:
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
             forward_backward = lambda: torch.autograd.grad(forward(), leaves, grad_output)  # noqa: E731
             row = [name, _per_call_ms(forward, device, args.calls), _per_call_ms(forward_backward, device, args.calls)]
             if device.type == "cuda":
-                fwd = _median_ms(forward, device, 0)
-                row += [fwd, _median_ms(forward_backward, device, 0) - fwd]
+                fwd = median_ms(forward, device, 0)
+                row += [fwd, median_ms(forward_backward, device, 0) - fwd]
             rows.append(row)
     finally:
         msda_core.unregister("overhead_noop")
