@@ -34,6 +34,20 @@ def test_auto_picks_triton_on_cuda():
     assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "triton"
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
+    """backend._launch reuses a compiled kernel per key. The kernels compiled for 16-byte aligned tensors use
+    16-byte loads, so tensors starting one element later must get kernels of their own."""
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, device="cuda")
+    assert_triton_parity(inputs, "fp32")
+    shifted = dict(inputs)
+    for name in ("value", "sampling_locations", "attention_weights"):
+        storage = torch.empty(inputs[name].numel() + 1, dtype=dtype, device="cuda")
+        shifted[name] = storage[1:].view(inputs[name].shape).copy_(inputs[name])
+        assert shifted[name].data_ptr() % 16 != 0
+    assert_triton_parity(shifted, "fp32")
+
+
 def test_offsets_past_2_pow_31():
     """value has 2.4e9 elements: batch 1's pixels sit past 2^31; its results must match batch 1 alone."""
     B, H, W, M, D, Q, P = 2, 768, 768, 1, 2048, 64, 4

@@ -4,10 +4,12 @@ interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
 import triton
+from triton.compiler import CompiledKernel
 
 from msda_core import Backend
 
@@ -21,13 +23,44 @@ def accumulates_in_fp32(dtype: torch.dtype, device: torch.device, grad_accum: st
     device has native bf16 atomic adds (compute capability 9.0+); elsewhere they are a CAS loop."""
     if grad_accum != "auto":
         return grad_accum == "fp32"
-    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    return dtype == torch.bfloat16 and not native_bf16
+    return dtype == torch.bfloat16 and not _has_native_bf16_atomics(device)
+
+
+@functools.cache
+def _has_native_bf16_atomics(device: torch.device) -> bool:
+    """Asked once per device: the capability query costs host time on every backward otherwise."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _on_device(t: torch.Tensor):
     """Launch on the tensors' own device (cuda:1 works), on its current stream."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+# (kernel, num_warps, constexprs, each argument's key) -> the CompiledKernel Triton launched for it; see _launch.
+_compiled: dict = {}
+
+
+def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, reusing the CompiledKernel that Triton returned
+    for an earlier call with the same key. Triton's own launch re-derives every argument's specialization on
+    each call, which for the decoder costs more host time than the rest of the call (BENCHMARKS.md). The key is
+    finer than what Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's divisibility
+    by 16): each tensor's dtype, device and address modulo 256, each integer's value, the constexprs and
+    num_warps. So a kernel is reused only where Triton would choose the same one. The interpreter compiles
+    nothing, so there it is Triton's launch every time."""
+    key = (kernel, num_warps, tuple(constexprs.items()), tuple(
+        (a.dtype, a.device, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else a for a in args))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        if isinstance(compiled, CompiledKernel):
+            if len(_compiled) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
+                _compiled.clear()
+            _compiled[key] = compiled
+        return
+    # the launcher takes every parameter in the kernel's order; the constexprs are the trailing ones
+    compiled[grid + (1,) * (3 - len(grid))](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
 
 
 def _sizes(value, sampling_locations):
@@ -46,9 +79,9 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
     block_r = blocks["BLOCK_R"]
     row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"] else triton.cdiv(n_rows, block_r)
     with _on_device(value):
-        kernels.forward_kernel[(row_blocks, triton.cdiv(D, blocks["BLOCK_D"]))](
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes, **blocks,
-            num_warps=num_warps)
+        _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])),
+                (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes),
+                blocks, num_warps)
 
 
 def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
@@ -61,9 +94,9 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
     blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
     with _on_device(value):
-        kernels.anchor_mass_kernel[(triton.cdiv(n_rows, blocks["BLOCK_R"]),)](
-            spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
-            n_rows, Q, S, M, L, P, **blocks, num_warps=num_warps)
+        _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),),
+                (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
+                 n_rows, Q, S, M, L, P), blocks, num_warps)
     return weight_max, grad_max, mass.amax()
 
 
@@ -77,10 +110,10 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
         sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
     fraction, maxima = fixed_point or (None, (None, None, None))
     with _on_device(value):
-        kernels.backward_kernel[(triton.cdiv(sizes[0], blocks["BLOCK_R"]),)](
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-            grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes, **blocks,
-            FIXED_POINT=fixed_point is not None, num_warps=num_warps)
+        _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),),
+                (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
+                 grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes),
+                {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -111,8 +144,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
     blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
     with _on_device(value):
-        kernels.fixed_point_finish_kernel[(triton.cdiv(value.numel(), blocks["BLOCK"]),)](
-            grad_value, fraction, *maxima, out, value.numel(), **blocks, num_warps=num_warps)
+        _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),),
+                (grad_value, fraction, *maxima, out, value.numel()), blocks, num_warps)
     return out, grad_locations, grad_weights
 
 
