@@ -45,10 +45,10 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) 
     """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, reusing the CompiledKernel that Triton returned
     for an earlier call with the same key. Triton's own launch re-derives every argument's specialization on
     each call, which for the decoder costs more host time than the rest of the call (BENCHMARKS.md). The key is
-    finer than what Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's divisibility
-    by 16): each tensor's dtype, device and address modulo 256, each integer's value, the constexprs and
-    num_warps. So a kernel is reused only where Triton would choose the same one. The interpreter compiles
-    nothing, so there it is Triton's launch every time."""
+    finer than what Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's width and
+    divisibility by 16): each tensor's dtype, device and address modulo 256, each integer's value, the
+    constexprs and num_warps. So a kernel is reused only where Triton would choose the same one. The
+    interpreter compiles nothing, so there it is Triton's launch every time."""
     key = (kernel, num_warps, tuple(constexprs.items()), tuple(
         (a.dtype, a.device, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else a for a in args))
     compiled = _compiled.get(key)
