@@ -52,15 +52,16 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) 
     key = (kernel, num_warps, tuple(constexprs.items()), tuple(
         (a.dtype, a.device, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else a for a in args))
     compiled = _compiled.get(key)
-    if compiled is None:
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
-        if isinstance(compiled, CompiledKernel):
-            if len(_compiled) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
-                _compiled.clear()
-            _compiled[key] = compiled
-        return
-    # the launcher takes every parameter in the kernel's order; the constexprs are the trailing ones
-    compiled[grid + (1,) * (3 - len(grid))](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+    with _on_device(args[0]):  # every argument is on one device
+        if compiled is None:
+            compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+            if isinstance(compiled, CompiledKernel):
+                if len(_compiled) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
+                    _compiled.clear()
+                _compiled[key] = compiled
+            return
+        # the launcher takes every parameter in the kernel's order; the constexprs are the trailing ones
+        compiled[grid + (1,) * (3 - len(grid))](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
 
 
 def _sizes(value, sampling_locations):
@@ -78,10 +79,9 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
         D, backward=False, value_fp32=value.dtype == torch.float32, Q=Q, rows=n_rows)
     block_r = blocks["BLOCK_R"]
     row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"] else triton.cdiv(n_rows, block_r)
-    with _on_device(value):
-        _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])),
-                (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes),
-                blocks, num_warps)
+    _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])),
+            (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes),
+            blocks, num_warps)
 
 
 def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
@@ -93,10 +93,9 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
     n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
     blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
-    with _on_device(value):
-        _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),),
-                (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
-                 n_rows, Q, S, M, L, P), blocks, num_warps)
+    _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),),
+            (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
+             n_rows, Q, S, M, L, P), blocks, num_warps)
     return weight_max, grad_max, mass.amax()
 
 
@@ -109,11 +108,10 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     blocks, num_warps = config or kernels.launch_config(
         sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
     fraction, maxima = fixed_point or (None, (None, None, None))
-    with _on_device(value):
-        _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),),
-                (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-                 grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes),
-                {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
+    _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),),
+            (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
+             grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes),
+            {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -143,9 +141,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
     blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
-    with _on_device(value):
-        _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),),
-                (grad_value, fraction, *maxima, out, value.numel()), blocks, num_warps)
+    _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),),
+            (grad_value, fraction, *maxima, out, value.numel()), blocks, num_warps)
     return out, grad_locations, grad_weights
 
 
