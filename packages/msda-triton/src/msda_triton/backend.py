@@ -23,13 +23,14 @@ def accumulates_in_fp32(dtype: torch.dtype, device: torch.device, grad_accum: st
     device has native bf16 atomic adds (compute capability 9.0+); elsewhere they are a CAS loop."""
     if grad_accum != "auto":
         return grad_accum == "fp32"
-    return dtype == torch.bfloat16 and not _has_native_bf16_atomics(device)
+    native_bf16 = device.type == "cuda" and _capability(device) >= (9, 0)
+    return dtype == torch.bfloat16 and not native_bf16
 
 
 @functools.cache
-def _has_native_bf16_atomics(device: torch.device) -> bool:
-    """Asked once per device: the capability query costs host time on every backward otherwise."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+def _capability(device: torch.device) -> tuple:
+    """A CUDA device's compute capability, asked once: the query costs host time on every backward otherwise."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _on_device(t: torch.Tensor):
@@ -147,9 +148,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
 
 
 def _limits(inputs) -> list:
-    if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
-        return [f"needs compute capability 8.0+, {inputs.device} has "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability(inputs.device)))}"]
+    if inputs.device.type == "cuda" and _capability(inputs.device) < (8, 0):
+        return [f"needs compute capability 8.0+, {inputs.device} has {'.'.join(map(str, _capability(inputs.device)))}"]
     terms = inputs.queries * inputs.levels * inputs.points  # the most an element of grad_value receives
     if inputs.deterministic and terms >= 2 ** 23:
         return [f"the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got {terms}"]
