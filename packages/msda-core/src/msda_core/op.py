@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .validation import check_grad_accum, check_inputs, derived_level_start_index
+from .validation import check_grad_accum, check_inputs
 
 # The schemas, also read by msda_testkit.overhead to build a kernel-less op pair of the same shape.
 SCHEMA = ("(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
@@ -36,11 +36,9 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
              deterministic=False):
     """Validate, pick the backend, and derive level_start_index; shared by the forward and backward ops."""
     check_grad_accum(grad_accum)
-    check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    level_start_index = check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
     chosen = registry.resolve(registry.requested(backend), inputs)
-    if level_start_index is None:  # the one validation derived when it read spatial_shapes, if any
-        level_start_index = derived_level_start_index(value.shape[1], spatial_shapes)
     if level_start_index is None:  # on the device: no host sync, so it also works inside graph capture
         sizes = spatial_shapes.to(torch.int64).prod(1)
         level_start_index = sizes.cumsum(0) - sizes
@@ -100,36 +98,76 @@ def _check_grad_output(grad_output, value, sampling_locations):
         raise TypeError(f"grad_output: expected a floating dtype, got {grad_output.dtype}")
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
-    # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
-    ctx.backend = registry.requested(keyword_only_inputs["backend"])
-    ctx.grad_accum = keyword_only_inputs["grad_accum"]
-    ctx.deterministic = keyword_only_inputs["deterministic"]
-    ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_LIBRARY = torch.library.Library("msda", "FRAGMENT")  # holds the autograd registrations for the process's life
 
 
-def _backward(ctx, grad_output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
-    grad_value, grad_locations, grad_weights = torch.ops.msda.deform_attn_backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        backend=ctx.backend, grad_accum=ctx.grad_accum, deterministic=ctx.deterministic,
-    )
-    return grad_value, None, None, grad_locations, grad_weights
+def _below_autograd(op, keyset, *args, **options):
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **options)
 
 
-def _double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "msda.deform_attn: double backward (differentiating the gradients again) is not supported by any backend"
-    )
+def register_autograd(lib: torch.library.Library, name: str) -> None:
+    """Register the autograd of ``lib``'s op pair ``name`` / ``name``_backward, defined with SCHEMA and
+    BACKWARD_SCHEMA: the forward's gradients come from the backward op; differentiating the backward op raises.
+
+    torch.library.register_autograd generates the same structure: on the Autograd key, an autograd.Function
+    whose forward redispatches below autograd (so fake tensors and tracing see the op, not its kernels). Its
+    generated kernel also re-adds the schema's defaults, checks the op's tags and wraps its arguments on every
+    call: with kernels that only allocate, its forward took 24 us on the CPU dev machine against 11 us with these,
+    which do only what the pair needs (BENCHMARKS.md). msda_testkit.overhead builds its kernel-less pair with this
+    too."""
+    ops = getattr(torch.ops, lib.ns)
+    forward_op, backward_op = getattr(ops, name).default, getattr(ops, name + "_backward").default
+
+    class Forward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                    backend, grad_accum, deterministic):
+            # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
+            ctx.options = {"backend": registry.requested(backend), "grad_accum": grad_accum,
+                           "deterministic": deterministic}
+            ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+            return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
+                                   attention_weights, backend=backend, grad_accum=grad_accum,
+                                   deterministic=deterministic)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            grad_value, grad_locations, grad_weights = backward_op(grad_output, *ctx.saved_tensors, **ctx.options)
+            return None, grad_value, None, None, grad_locations, grad_weights, None, None, None
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, options, *tensors):
+            return _below_autograd(backward_op, keyset, *tensors, **options)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise NotImplementedError(
+                f"{lib.ns}.{name}: double backward (differentiating the gradients again) is not supported by any "
+                "backend")
+
+    def forward_autograd(keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
+                         backend="auto", grad_accum="auto", deterministic=None):
+        if torch.is_grad_enabled() and (value.requires_grad or sampling_locations.requires_grad
+                                        or attention_weights.requires_grad):
+            return Forward.apply(keyset, value, spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights, backend, grad_accum, deterministic)
+        return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights, backend=backend, grad_accum=grad_accum, deterministic=deterministic)
+
+    def backward_autograd(keyset, *tensors, **options):
+        """Runs the backward; a graph through it (create_graph=True) raises only if it is differentiated again."""
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return Backward.apply(keyset, options, *tensors)
+        return _below_autograd(backward_op, keyset, *tensors, **options)
+
+    lib.impl(name, forward_autograd, "Autograd", with_keyset=True)
+    lib.impl(name + "_backward", backward_autograd, "Autograd", with_keyset=True)
 
 
-def _no_context(ctx, inputs, keyword_only_inputs, output):
-    pass
-
-
-torch.library.register_autograd("msda::deform_attn", _backward, setup_context=_setup_context)
-torch.library.register_autograd("msda::deform_attn_backward", _double_backward, setup_context=_no_context)
+register_autograd(_LIBRARY, "deform_attn")
 
 
 def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,

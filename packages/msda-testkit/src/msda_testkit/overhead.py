@@ -1,9 +1,9 @@
 """``python -m msda_testkit.overhead``: host cost per call of the op, against what torch itself costs.
 
 Times forward and forward + ``torch.autograd.grad`` on decoder-sized inputs for layers of the same call:
-a bare ``torch.autograd.Function``; a ``torch.library`` op pair with msda's own schemas, as msda is built
-(forward op, backward op, ``register_autograd``), whose kernels only allocate their outputs (the floor of
-this design); the same pair calling the real backend's forward and backward directly (msda's op without
+a bare ``torch.autograd.Function``; a ``torch.library`` op pair with msda's own schemas, built as msda's is
+(forward op, backward op, ``msda_core.op.register_autograd``), whose kernels only allocate their outputs (the
+floor of this design); the same pair calling the real backend's forward and backward directly (msda's op without
 its validation and selection); msda's op with a no-op backend; msda's op with the real backend. The
 differences say where a small call's time goes.
 
@@ -69,17 +69,7 @@ def _library_op_pair(lib, name: str, backend=None):
 
     lib.impl(name, forward, "CompositeExplicitAutograd")
     lib.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
-    backward_op = getattr(torch.ops.msda_overhead, f"{name}_backward")
-
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        ctx.save_for_backward(*inputs)
-        ctx.keyword_only_inputs = keyword_only_inputs
-
-    def autograd_backward(ctx, grad_output):
-        grad_value, grad_loc, grad_weights = backward_op(grad_output, *ctx.saved_tensors, **ctx.keyword_only_inputs)
-        return grad_value, None, None, grad_loc, grad_weights
-
-    torch.library.register_autograd(f"msda_overhead::{name}", autograd_backward, setup_context=setup_context, lib=lib)
+    op.register_autograd(lib, name)
     return getattr(torch.ops.msda_overhead, name)
 
 
