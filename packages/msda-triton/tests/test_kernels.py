@@ -4,8 +4,6 @@ On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is gri
 same device, which link 1 ties to the naive loops.
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 import triton
@@ -136,7 +134,7 @@ def test_deterministic_mode_refuses_more_terms_than_its_exact_sums_hold():
                                        head_dim=8, levels=4, points=4, grad_accum="auto", deterministic=True)
     assert BACKEND.not_supported_reasons(inputs) == [
         "the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got 8388608"]
-    assert BACKEND.not_supported_reasons(replace(inputs, queries=2 ** 19 - 1)) == []
+    assert BACKEND.not_supported_reasons(inputs._replace(queries=2 ** 19 - 1)) == []
 
 
 def test_deterministic_none_follows_torch_and_takes_the_fixed_point_path():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -30,13 +31,17 @@ def _dims(names: str, sizes: tuple) -> str:
 
 def _can_read_values(index_tensors) -> bool:
     """Real tensors, and no CUDA graph capture in progress (all tensors are on one device by then)."""
-    if any(t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) for t in index_tensors):
-        return False
-    return not (index_tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    for t in index_tensors:
+        if t.is_meta or isinstance(t, FakeTensor):
+            return False
+    return not (index_tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Raise ValueError/TypeError naming the first malformed argument; return None when all is well."""
+    """Raise ValueError/TypeError naming the first malformed argument. When all is well, return the
+    level_start_index to run with: the one passed, else the int64 one derived when this version of
+    spatial_shapes was read, else None where it is not known (fake tensors; CUDA graph capture, where a graph
+    must derive it from the live spatial_shapes on each replay; inference tensors)."""
     tensors = {
         "value": value,
         "spatial_shapes": spatial_shapes,
@@ -84,14 +89,20 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
             + f", got {sampling_locations.dtype}"
         )
 
+    device = value.device
     for arg, t in tensors.items():
-        if t.device != value.device:
-            raise ValueError(f"{arg}: expected device {value.device} (the device of value), got {t.device}")
+        if t.device != device:
+            raise ValueError(f"{arg}: expected device {device} (the device of value), got {t.device}")
 
     index_tensors = (spatial_shapes,) if level_start_index is None else (spatial_shapes, level_start_index)
-    if _can_read_values(index_tensors) and not _already_checked(S, spatial_shapes, level_start_index):
+    if not _can_read_values(index_tensors):
+        return level_start_index
+    if not _already_checked(S, spatial_shapes, level_start_index):
         starts = _check_level_values(S, spatial_shapes, level_start_index)
         _remember_checked(S, spatial_shapes, level_start_index, starts)
+    if level_start_index is not None:
+        return level_start_index
+    return _checked_levels.get(id(spatial_shapes), (None, None))[1]  # just checked: no entry only if unversioned
 
 
 # Reading spatial_shapes on CUDA synchronizes with the device, so each live index tensor is read once
@@ -127,15 +138,6 @@ def _remember_checked(S, spatial_shapes, level_start_index, starts: list) -> Non
         weakref.finalize(level_start_index, _checked_levels.pop, key, None)
     derived = None if level_start_index is not None else torch.tensor(starts, device=spatial_shapes.device)
     _checked_levels[key] = (_level_key(S, spatial_shapes, level_start_index), derived)
-
-
-def derived_level_start_index(S: int, spatial_shapes: torch.Tensor):
-    """The int64 level_start_index derived when this version of spatial_shapes was checked with none
-    passed, or None where it is not known: fake tensors, CUDA graph capture (a graph must derive it from
-    the live spatial_shapes on each replay), inference tensors, a version not yet checked."""
-    if not _can_read_values((spatial_shapes,)) or not _already_checked(S, spatial_shapes, None):
-        return None
-    return _checked_levels[id(spatial_shapes)][1]
 
 
 def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
