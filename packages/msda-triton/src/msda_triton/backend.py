@@ -33,9 +33,12 @@ def _capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
-def _on_device(t: torch.Tensor):
-    """Launch on the tensors' own device (cuda:1 works), on its current stream."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+def _on_device(device: torch.device):
+    """Launch on the tensors' own device (cuda:1 works), on its current stream. The guard is entered only to
+    switch devices: entering one costs more host time than asking which device is current."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 # (kernel, num_warps, constexprs, each argument's key) -> the CompiledKernel Triton launched for it; see _launch.
@@ -53,7 +56,7 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) 
     key = (kernel, num_warps, tuple(constexprs.items()), tuple(
         (a.dtype, a.device, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else a for a in args))
     compiled = _compiled.get(key)
-    with _on_device(args[0]):  # every argument is on one device
+    with _on_device(args[0].device):  # every argument is on one device
         if compiled is None:
             compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
             if isinstance(compiled, CompiledKernel):
