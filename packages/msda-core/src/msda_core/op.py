@@ -120,47 +120,44 @@ def register_autograd(lib: torch.library.Library, name: str) -> None:
     ops = getattr(torch.ops, lib.ns)
     forward_op, backward_op = getattr(ops, name).default, getattr(ops, name + "_backward").default
 
-    class Forward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    backend, grad_accum, deterministic):
-            # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
-            ctx.options = {"backend": registry.requested(backend), "grad_accum": grad_accum,
-                           "deterministic": deterministic}
-            ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-            return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
-                                   attention_weights, backend=backend, grad_accum=grad_accum,
-                                   deterministic=deterministic)
+    def forward(ctx, keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                backend, grad_accum, deterministic):
+        # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
+        ctx.options = {"backend": registry.requested(backend), "grad_accum": grad_accum, "deterministic": deterministic}
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights, backend=backend, grad_accum=grad_accum, deterministic=deterministic)
 
-        @staticmethod
-        def backward(ctx, grad_output):
-            grad_value, grad_locations, grad_weights = backward_op(grad_output, *ctx.saved_tensors, **ctx.options)
-            return None, grad_value, None, None, grad_locations, grad_weights, None, None, None
+    def backward(ctx, grad_output):
+        grad_value, grad_locations, grad_weights = backward_op(grad_output, *ctx.saved_tensors, **ctx.options)
+        return None, grad_value, None, None, grad_locations, grad_weights, None, None, None
 
-    class Backward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, keyset, options, *tensors):
-            return _below_autograd(backward_op, keyset, *tensors, **options)
+    def backward_op_forward(ctx, keyset, options, *tensors):
+        return _below_autograd(backward_op, keyset, *tensors, **options)
 
-        @staticmethod
-        def backward(ctx, *grads):
-            raise NotImplementedError(
-                f"{lib.ns}.{name}: double backward (differentiating the gradients again) is not supported by any "
-                "backend")
+    def double_backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{lib.ns}.{name}: double backward (differentiating the gradients again) is not supported by any backend")
+
+    # Named after the ops, so a grad_fn reads msda_deform_attnBackward.
+    function = type(f"{lib.ns}_{name}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    backward_function = type(f"{lib.ns}_{name}_backward", (torch.autograd.Function,),
+                             {"forward": staticmethod(backward_op_forward), "backward": staticmethod(double_backward)})
 
     def forward_autograd(keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
                          backend="auto", grad_accum="auto", deterministic=None):
         if torch.is_grad_enabled() and (value.requires_grad or sampling_locations.requires_grad
                                         or attention_weights.requires_grad):
-            return Forward.apply(keyset, value, spatial_shapes, level_start_index, sampling_locations,
-                                 attention_weights, backend, grad_accum, deterministic)
+            return function.apply(keyset, value, spatial_shapes, level_start_index, sampling_locations,
+                                  attention_weights, backend, grad_accum, deterministic)
         return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights, backend=backend, grad_accum=grad_accum, deterministic=deterministic)
 
     def backward_autograd(keyset, *tensors, **options):
         """Runs the backward; a graph through it (create_graph=True) raises only if it is differentiated again."""
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            return Backward.apply(keyset, options, *tensors)
+            return backward_function.apply(keyset, options, *tensors)
         return _below_autograd(backward_op, keyset, *tensors, **options)
 
     lib.impl(name, forward_autograd, "Autograd", with_keyset=True)
