@@ -34,6 +34,11 @@ def test_layouts_do_what_they_say():
     assert torch.allclose(x, x.round(), atol=1e-9)
     corners = kit.make_inputs(kit.case("map_corners"), torch.float64)["sampling_locations"]
     assert set(corners.unique().tolist()) == {0.0, 1.0}
+    c = kit.case("past_edges")
+    edges = kit.make_inputs(c, torch.bfloat16)["sampling_locations"].double()
+    size = torch.tensor([(w, h) for h, w in c.levels], dtype=torch.float64).reshape(1, 1, 1, -1, 1, 2)
+    x = edges * size - 0.5
+    assert (x == -1).any() and (x == size).any() and ((x > -1) & (x < size - 1)).any()
     bad = kit.make_inputs(kit.case("nonfinite"), torch.float32)["sampling_locations"]
     assert bad.isnan().any() and (bad == math.inf).any() and (bad == -math.inf).any()
     nc = kit.make_inputs(kit.case("non_contiguous"), torch.float32)

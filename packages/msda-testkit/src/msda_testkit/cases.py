@@ -25,7 +25,7 @@ class Case:
     levels: tuple = TINY_LEVELS
     points: int = 2
     loc_range: tuple = (0.0, 1.0)
-    layout: str = "random"  # random | pixel_centres | map_corners | away_from_pixels | nonfinite (and huge)
+    layout: str = "random"  # random | pixel_centres | map_corners | past_edges | away_from_pixels | nonfinite
     contiguous: bool = True
     pass_level_start: bool = True
     index_dtype: torch.dtype = torch.int64
@@ -40,6 +40,7 @@ EDGE_CASES = (
     Case("out_of_bounds", batch=2, queries=5, loc_range=(-0.5, 1.5)),
     Case("pixel_centres", queries=4, layout="pixel_centres"),
     Case("map_corners", queries=4, layout="map_corners"),
+    Case("past_edges", queries=8, levels=((4, 8), (2, 2)), layout="past_edges"),
     Case("head_dim_1", head_dim=1),
     Case("head_dim_3", head_dim=3),
     Case("head_dim_71", head_dim=71, queries=3),
@@ -87,12 +88,17 @@ def _locations(c: Case, g: torch.Generator) -> torch.Tensor:
     B, Q, M, L, P = c.batch, c.queries, c.heads, len(c.levels), c.points
     lo, hi = c.loc_range
     loc = lo + (hi - lo) * torch.rand(B, Q, M, L, P, 2, generator=g, dtype=torch.float64)
-    if c.layout in ("pixel_centres", "map_corners", "away_from_pixels"):
+    if c.layout in ("pixel_centres", "map_corners", "past_edges", "away_from_pixels"):
         hw = torch.tensor([(w, h) for h, w in c.levels], dtype=torch.float64).reshape(1, 1, 1, L, 1, 2)
         if c.layout == "pixel_centres":  # x = loc*W - 0.5 lands exactly on an integer: fx = fy = 0
             loc = (torch.floor(loc * hw) + 0.5) / hw
         elif c.layout == "map_corners":  # exactly 0 or 1: the sample straddles the border
             loc = torch.randint(0, 2, loc.shape, generator=g).to(torch.float64)
+        elif c.layout == "past_edges":  # half the coordinates exactly at x = -1 or x = W (y alike): the sample's
+            # corners on that axis lie outside the map, but for x = -1's second one, of weight 0. Exact in every
+            # dtype for power-of-two sizes
+            edge = torch.where(torch.rand(loc.shape, generator=g) < 0.5, -0.5, hw + 0.5) / hw
+            loc = torch.where(torch.rand(loc.shape, generator=g) < 0.5, edge, loc)
         else:  # fractions in [0.1, 0.9]: finite differences never cross a pixel (the gradient's kinks)
             pixel = torch.floor(loc * hw - 0.5)
             loc = (pixel + 0.5 + 0.1 + 0.8 * torch.rand(loc.shape, generator=g, dtype=torch.float64)) / hw

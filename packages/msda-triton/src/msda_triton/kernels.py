@@ -68,8 +68,9 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
 
     Corners are (pixel index into S, in-map mask, bilinear weight) in order 00, 01, 10, 11 (row, column).
     A non-finite coordinate is reported through ``finite`` and never becomes an address: coordinates
-    outside [-1, W] x [-1, H] (NaN and inf included) are replaced by 0 before the integer conversion, and
-    all their corners are masked off.
+    outside [-1, W) x [-1, H) (NaN and inf included) are replaced by 0 before the integer conversion, and
+    all their corners are masked off. At x = W both columns lie outside the map; at x = -1 the second is
+    inside with weight 0, which grid_sample still multiplies (an inf there gives NaN), so -1 stays in.
     """
     H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
@@ -82,7 +83,7 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
     y = loc_y * Hf - 0.5
     finite = (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
-    safe = (x >= -1.0) & (x <= Wf) & (y >= -1.0) & (y <= Hf) & ok
+    safe = (x >= -1.0) & (x < Wf) & (y >= -1.0) & (y < Hf) & ok
     x = tl.where(safe, x, 0.0)
     y = tl.where(safe, y, 0.0)
     x0f = tl.floor(x)
