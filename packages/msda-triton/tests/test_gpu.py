@@ -73,12 +73,13 @@ def test_offsets_past_2_pow_31():
                                              (F32, 16384, (32, 1, True))])
 def test_forward_offsets_past_2_pow_31(dtype, Q, blocks):
     """value has 2.2e9 elements: batch 1's heads sit past 2^31, and its output must equal batch 1's alone, bit
-    for bit, under each of kernels.launch_config's rules for the forward: (BLOCK_R, BLOCK_S, HEAD_MAJOR)."""
+    for bit, under each of kernels.launch_config's rules for the forward: (BLOCK_R, BLOCK_P, HEAD_MAJOR). Both
+    calls take int64 offsets (backend.needs_int64_offsets)."""
     B, H, W, M, D, P = 2, 2048, 2100, 8, 32, 4
     assert B * H * W * M * D > 2 ** 31
     for rows in (B * Q * M, Q * M):  # the full batch and batch 1 alone
-        chosen = kernels.launch_config(D, backward=False, value_fp32=dtype == F32, Q=Q, rows=rows)[0]
-        assert (chosen["BLOCK_R"], chosen["BLOCK_S"], chosen["HEAD_MAJOR"]) == blocks
+        chosen = kernels.launch_config(D, backward=False, value_fp32=dtype == F32, rows=rows)[0]
+        assert (chosen["BLOCK_R"], chosen["BLOCK_P"], chosen["HEAD_MAJOR"]) == blocks
     g = torch.Generator(device="cuda").manual_seed(0)
     value = torch.randn(B, H * W, M, D, device="cuda", generator=g, dtype=dtype)
     shapes, starts = torch.tensor([[H, W]], device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")

@@ -4,6 +4,8 @@ On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is gri
 same device, which link 1 ties to the naive loops.
 """
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -152,21 +154,23 @@ def test_deterministic_none_follows_torch_and_takes_the_fixed_point_path():
     assert not torch.equal(kit.replay.bits(atomic), kit.replay.bits(explicit))
 
 
-@pytest.mark.parametrize("block_s", [1, 4])
+@pytest.mark.parametrize("block_p", [1, 4])
 @pytest.mark.parametrize("case", ["out_of_bounds", "non_contiguous", "nonfinite", "many_levels_points"])
-def test_forward_row_orders_agree_bitwise(case, block_s):
-    """Head-major and row-major blocks (kernels._block_rows) compute every row with the same arithmetic, so
-    the outputs agree bit for bit. Blocks of 2 queries: programs split a head's queries, and the last block of
-    each head is partial where Q is odd; with 4 samples per step, many_levels_points' 25 end in a partial step."""
+def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
+    """Head-major and row-major blocks (kernels._block_rows), with int32 or int64 offsets, compute every row
+    with the same arithmetic, so the outputs agree bit for bit. Blocks of 2 queries: programs split a head's
+    queries, and the last block of each head is partial where Q is odd; with 4 points per step,
+    many_levels_points' 5 points per level end in a partial step."""
     inputs = kit.make_inputs(kit.case(case), F32, device=DEVICE)
     value, shapes, starts, loc, weights = (inputs[k].contiguous() for k in (
         "value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"))
     outputs = []
-    for head_major in (False, True):
+    for head_major, wide in itertools.product((False, True), (False, True)):
         outputs.append(value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
         launch_forward(value, shapes, starts, loc, weights, outputs[-1], ({
-            "BLOCK_R": 2, "BLOCK_S": block_s, "BLOCK_D": triton.next_power_of_2(value.shape[3]),
-            "HEAD_MAJOR": head_major}, 1))
-    row, head = outputs
-    assert torch.equal(row.isnan(), head.isnan()) and torch.equal(row.nan_to_num(), head.nan_to_num())
-    assert row.isnan().any() == (case == "nonfinite")
+            "BLOCK_R": 2, "BLOCK_P": block_p, "BLOCK_D": triton.next_power_of_2(value.shape[3]),
+            "HEAD_MAJOR": head_major, "WIDE": wide}, 1))
+    first = outputs[0]
+    for other in outputs[1:]:
+        assert torch.equal(first.isnan(), other.isnan()) and torch.equal(first.nan_to_num(), other.nan_to_num())
+    assert first.isnan().any() == (case == "nonfinite")

@@ -76,16 +76,24 @@ def _sizes(value, sampling_locations):
 
 def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out,
                    config=None):
-    """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config."""
+    """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config (and
+    the offsets' width, if it names WIDE)."""
     sizes = _sizes(value, sampling_locations)
     n_rows, Q, _, M, D = sizes[:5]
-    blocks, num_warps = config or kernels.launch_config(
-        D, backward=False, value_fp32=value.dtype == torch.float32, Q=Q, rows=n_rows)
+    blocks, num_warps = config or kernels.launch_config(D, backward=False, value_fp32=value.dtype == torch.float32,
+                                                        rows=n_rows)
     block_r = blocks["BLOCK_R"]
     row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"] else triton.cdiv(n_rows, block_r)
     _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])),
             (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes),
-            blocks, num_warps)
+            {"WIDE": needs_int64_offsets(value, sampling_locations, out), **blocks}, num_warps)
+
+
+def needs_int64_offsets(*tensors) -> bool:
+    """int32 offsets are exact while every tensor has fewer than 2^30 elements: a partial last block's masked
+    rows reach a little past a tensor's end, still far from 2^31. (int32 made the fp32 forward 1.25x faster at
+    4 warps; BENCHMARKS.md.)"""
+    return max(t.numel() for t in tensors) >= 2 ** 30
 
 
 def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,

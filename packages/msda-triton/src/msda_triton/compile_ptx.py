@@ -1,6 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
-(the forward under each of launch_config's rules and the backward x native/fp32/fixed-point accumulation,
-x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
+(the forward under each of launch_config's rules x int32/int64 offsets and the backward x
+native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -34,13 +34,12 @@ ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_v
 def _variants():
     """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        rules = {"row-major": {"Q": 0, "rows": INTS["n_rows"]}, "few-rows": {"Q": 300, "rows": 4 * 300 * 8}}
-        if dtype == "fp32":  # launch_config walks head-major in fp32 only
-            rules["head-major"] = {"Q": INTS["Q"], "rows": INTS["n_rows"]}
-        for rule, sizes in rules.items():
-            blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32", **sizes)
-            yield (f"forward {dtype} {rule}", kernels.forward_kernel,
-                   {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype}, blocks, num_warps)
+        for rule, rows in {"many-rows": INTS["n_rows"], "few-rows": 4 * 300 * 8}.items():
+            blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32", rows=rows)
+            for width, wide in {"int32": False, "int64": True}.items():
+                yield (f"forward {dtype} {rule} {width}", kernels.forward_kernel,
+                       {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
+                       blocks | {"WIDE": wide}, num_warps)
         for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
             blocks, num_warps = kernels.launch_config(

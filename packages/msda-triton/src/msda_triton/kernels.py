@@ -2,7 +2,8 @@
 
 Layout: a *row* is one (b, q, m) triple, r = (b * Q + q) * M + m. With contiguous inputs the row's
 locations start at r * L * P * 2, its weights at r * L * P and its output at r * D; its head's pixel s
-sits in value at ((b * S + s) * M + m) * D. Offsets are computed in int64, so no tensor size can wrap.
+sits in value at ((b * S + s) * M + m) * D. Offsets are int64 (no tensor size can wrap), except in the
+forward while every tensor has fewer than 2^30 elements (WIDE, backend.needs_int64_offsets).
 All arithmetic is fp32 whatever the storage dtype.
 """
 
@@ -12,19 +13,18 @@ import triton.language as tl
 FEW_ROWS = 2 ** 17  # B*Q*M rows below which the forward takes small blocks (launch_config)
 
 
-def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, rows: int = 0,
+def launch_config(D: int, backward: bool, value_fp32: bool = False, rows: int = 0,
                   half_atomics: bool = False) -> tuple:
     """(the kernel's block constexprs, num_warps) for ``rows`` = B*Q*M rows. The channel block covers D up to
     64; the backward loops over channel blocks. Timed on the H200 by replaying CUDA graphs
     (``python -m msda_triton.tune`` and ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
-    - forward, 32 rows on 1 warp (2 warps from D > 32), one sample at a time: fp32 0.324 against 0.342 ms with
-      the former 64 rows on 2 warps, bf16 0.188 against 0.200;
+    - forward, 32 rows on 4 warps (8 from D > 32, same elements per thread: not timed), head-major, one point
+      at a time: fp32 0.215 ms (B8 0.842), bf16 0.168 (0.648), fp16 0.156 (0.607); the best other shapes
+      were within 3% (16 rows on 2 warps; bf16 32 rows on 1 warp row-major 0.168 / 0.634);
     - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and in
-      fp16/bf16 4 samples of each row per step. Decoder B4 Q300: fp32 0.0135 against 0.0214 ms (0.0152 with 4
-      samples per step), bf16 0.0093 against 0.0152 (0.0132 with one). bf16 at B4 Q2400 (76800 rows): 0.055
-      against 0.057; at B4 Q4800 (153600 rows): 0.104 against 0.096, hence the threshold;
-    - the fp32 forward with many queries (Q >= 2048, D <= 32) walks head-major: 0.309 against 0.324 ms
-      row-major; at Q 300 it loses (0.022 against 0.021), and in bf16 at every size (0.244 against 0.188);
+      fp16/bf16 4 points of each row per step. Decoder B4 Q300: fp32 0.0099 against 0.0145 ms, bf16 0.0077
+      against 0.0115. At B4 Q2400 (76800 rows) fp32 0.061 against 0.068, bf16 0.045 against 0.046; at B4 Q4800
+      (153600 rows) 0.110 against 0.108 and 0.085 against 0.080, hence the threshold;
     - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
       warps: fp32 0.867 against 1.05 ms with 64 rows; deterministic 2.13 against 2.25;
     - backward with fp16/bf16 atomic adds (``half_atomics``), 64 rows on 4 warps: 16 rows took fp16 0.709
@@ -32,25 +32,27 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, Q: int = 0, 
     block_d = min(triton.next_power_of_2(D), 64)
     if backward:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
-    num_warps = 1 if block_d <= 32 else 2
     if rows < FEW_ROWS:
-        return {"BLOCK_R": 4, "BLOCK_S": 1 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False}, num_warps
-    return ({"BLOCK_R": 32, "BLOCK_S": 1, "BLOCK_D": block_d, "HEAD_MAJOR": value_fp32 and D <= 32 and Q >= 2048},
-            num_warps)
+        return ({"BLOCK_R": 4, "BLOCK_P": 1 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
+                1 if block_d <= 32 else 2)
+    return {"BLOCK_R": 32, "BLOCK_P": 1, "BLOCK_D": block_d, "HEAD_MAJOR": True}, 4 if block_d <= 32 else 8
 
 
 @triton.jit
-def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    """This program's rows and their mask. Row-major: BLOCK_R consecutive rows, so (b, q) blocks with all M
-    heads. HEAD_MAJOR: one (b, m) per program and BLOCK_R consecutive queries of it, consecutive programs
-    walking the queries of one head: the samples an SM serves then come from one head's value, whose small
-    levels stay in L1 (Nsight Compute, encoder B2 fp32: L1 hit rate 54% against 25%; BENCHMARKS.md)."""
+def _block_rows(n_rows, Q, M, BLOCK_R: tl.constexpr, HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr):
+    """This program's rows (int64 if WIDE, else int32) and their mask. Row-major: BLOCK_R consecutive rows, so
+    (b, q) blocks with all M heads. HEAD_MAJOR: one (b, m) per program and BLOCK_R consecutive queries of it,
+    consecutive programs walking the queries of one head: the samples an SM serves then come from one head's
+    value, whose small levels stay in L1 (Nsight Compute, encoder B2 fp32: L1 hit rate 54% against 25%)."""
+    program = tl.program_id(0)
+    if WIDE:
+        program = program.to(tl.int64)
     if HEAD_MAJOR:
         n_blocks = tl.cdiv(Q, BLOCK_R)
-        head = tl.program_id(0).to(tl.int64) // n_blocks  # b * M + m
-        q = (tl.program_id(0) % n_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        head = program // n_blocks  # b * M + m
+        q = (program % n_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         return ((head // M) * Q + q) * M + head % M, q < Q
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = program * BLOCK_R + tl.arange(0, BLOCK_R)
     return rows, rows < n_rows
 
 
@@ -74,7 +76,7 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     """
     H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-    start = tl.load(starts_ptr + level).to(tl.int64)
+    start = tl.load(starts_ptr + level).to(sample.dtype)
     loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
     loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
@@ -96,7 +98,7 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     in_x1 = safe & (x0 + 1 < W)
     in_y0 = y0 >= 0
     in_y1 = y0 + 1 < H
-    p00 = start + (y0 * W + x0).to(tl.int64)
+    p00 = start + (y0 * W + x0).to(sample.dtype)
     return (p00, in_y0 & in_x0, (1.0 - fx) * (1.0 - fy),
             p00 + 1, in_y0 & in_x1, fx * (1.0 - fy),
             p00 + W, in_y1 & in_x0, (1.0 - fx) * fy,
@@ -106,33 +108,35 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
 
 @triton.jit
 def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_ptr,
-                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HEAD_MAJOR: tl.constexpr):
-    """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D), BLOCK_S samples of
-    each row per step: the corners are [BLOCK_R, BLOCK_S, BLOCK_D] gathers, so the loads of BLOCK_R * BLOCK_S
-    samples are in flight together."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR)
+                   n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr):
+    """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D), level by level,
+    BLOCK_P points of each row per step: the corners are [BLOCK_R, BLOCK_P, BLOCK_D] gathers, so the loads of
+    BLOCK_R * BLOCK_P samples are in flight together. Offsets are int32 unless WIDE (launch_forward's choice).
+    A non-finite location makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN: the
+    row's output is NaN, as grid_sample's. (A flag carried across the loop instead cost 1.8x in time at 4 warps:
+    its layout differs from the gathers', so every step converted between the two.)"""
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR, WIDE)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = (d < D)[None, None, :]
     base = (_head_start(rows, Q, S, M) * D)[:, None, None] + d[None, None, :]  # channel d of the head's pixel 0
     pixel_stride = M * D
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    any_nonfinite = tl.zeros((BLOCK_R, BLOCK_S), dtype=tl.int1)
-    for s0 in range(0, L * P, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)[None, :]  # level * P + point
-        ok = row_ok[:, None] & (s < L * P)
-        (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-         a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, rows[:, None] * (L * P) + s,
-                                              ok, tl.minimum(s // P, L - 1))
-        any_nonfinite = any_nonfinite | ~finite
-        v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, :, None], mask=m00[:, :, None] & d_ok, other=0.0)
-        v01 = tl.load(value_ptr + base + (p01 * pixel_stride)[:, :, None], mask=m01[:, :, None] & d_ok, other=0.0)
-        v10 = tl.load(value_ptr + base + (p10 * pixel_stride)[:, :, None], mask=m10[:, :, None] & d_ok, other=0.0)
-        v11 = tl.load(value_ptr + base + (p11 * pixel_stride)[:, :, None], mask=m11[:, :, None] & d_ok, other=0.0)
-        acc += tl.sum((a * w00)[:, :, None] * v00.to(tl.float32) + (a * w01)[:, :, None] * v01.to(tl.float32)
-                      + (a * w10)[:, :, None] * v10.to(tl.float32) + (a * w11)[:, :, None] * v11.to(tl.float32),
-                      axis=1)
-    acc = tl.where(tl.max(any_nonfinite.to(tl.int32), axis=1)[:, None] > 0, float("nan"), acc)  # as grid_sample
+    for level in range(L):
+        for p0 in range(0, P, BLOCK_P):
+            point = p0 + tl.arange(0, BLOCK_P)[None, :]
+            ok = row_ok[:, None] & (point < P)
+            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr,
+                                                  rows[:, None] * (L * P) + level * P + point, ok, level)
+            a = tl.where(finite, a, float("nan"))
+            v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, :, None], mask=m00[:, :, None] & d_ok, other=0.0)
+            v01 = tl.load(value_ptr + base + (p01 * pixel_stride)[:, :, None], mask=m01[:, :, None] & d_ok, other=0.0)
+            v10 = tl.load(value_ptr + base + (p10 * pixel_stride)[:, :, None], mask=m10[:, :, None] & d_ok, other=0.0)
+            v11 = tl.load(value_ptr + base + (p11 * pixel_stride)[:, :, None], mask=m11[:, :, None] & d_ok, other=0.0)
+            acc += tl.sum((a * w00)[:, :, None] * v00.to(tl.float32) + (a * w01)[:, :, None] * v01.to(tl.float32)
+                          + (a * w10)[:, :, None] * v10.to(tl.float32) + (a * w11)[:, :, None] * v11.to(tl.float32),
+                          axis=1)
     out_offsets = rows[:, None] * D + d[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
 
@@ -153,7 +157,7 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     whose first in-map corner (its 00 corner clamped into the map) is pixel s. Integer adds: deterministic.
     An element at pixel s receives terms only from samples anchored at s, s-1, s-W or s-W-1, so 4 * max(mass)
     bounds both its count of terms and its sum of |a| in units. One atomic per sample, not four."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False, True)
     head_start = _head_start(rows, Q, S, M)
     per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
     for level in range(L):
@@ -235,7 +239,7 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
     maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False)
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False, True)
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
     scale = 1.0

@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", type=int, help="the case with this many queries instead")
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128])
-    parser.add_argument("--block-s", nargs="*", type=int, default=[1],
-                        help="samples of each row per step (the forward's only)")
+    parser.add_argument("--block-p", nargs="*", type=int, default=[1],
+                        help="points of each row per step, of one level (the forward's only)")
     parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--orders", nargs="*", default=["row", "head"], choices=["row", "head"],
                         help="row-major or head-major blocks of rows (kernels._block_rows; the forward's only)")
@@ -47,16 +47,16 @@ def main(argv=None) -> int:
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
         block_d = launch_config(D, backward=True)[0]["BLOCK_D"]
-        for block_r, block_s, warps, order in itertools.product(args.block_r, args.block_s, args.warps, args.orders):
+        for block_r, block_p, warps, order in itertools.product(args.block_r, args.block_p, args.warps, args.orders):
             fwd = triton.testing.do_bench_cudagraph(lambda: launch_forward(value, shapes, starts, loc, weights, out, (
-                {"BLOCK_R": block_r, "BLOCK_S": block_s, "BLOCK_D": block_d, "HEAD_MAJOR": order == "head"}, warps)))
-            bwd = None if order == "head" or block_s > 1 else triton.testing.do_bench_cudagraph(
+                {"BLOCK_R": block_r, "BLOCK_P": block_p, "BLOCK_D": block_d, "HEAD_MAJOR": order == "head"}, warps)))
+            bwd = None if order == "head" or block_p > 1 else triton.testing.do_bench_cudagraph(
                 lambda: launch_backward(grad_output, value, shapes, starts, loc, weights, *grads,
                                         config=({"BLOCK_R": block_r, "BLOCK_D": block_d}, warps)))  # row-major only
-            rows.append([f"{case.name} B{case.batch} Q{case.queries}", dtype_name, order, block_r, block_s, block_d,
+            rows.append([f"{case.name} B{case.batch} Q{case.queries}", dtype_name, order, block_r, block_p, block_d,
                          warps, fwd, bwd])
             print(rows[-1], flush=True)
-    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_S", "BLOCK_D", "warps",
+    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_P", "BLOCK_D", "warps",
                                                   "fwd ms", "bwd ms (fp32 acc)"]))
     return 0
 
