@@ -29,6 +29,18 @@ def test_large_head_dims(head_dim, dtype):
     assert_triton_parity(kit.make_inputs(case, dtype, device="cuda"), "auto")
 
 
+@pytest.mark.parametrize("head_dim", [64, 71])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_many_rows_with_wide_heads(head_dim, dtype):
+    """The forward's many-rows shape with D > 32 (8 warps; two channel blocks at 71): 2^17 rows."""
+    case = kit.Case("many_rows", batch=2, queries=8192, heads=8, head_dim=head_dim, levels=((6, 4), (3, 2)),
+                    loc_range=(-0.5, 1.5))
+    rows = case.batch * case.queries * case.heads
+    assert kernels.launch_config(head_dim, backward=False, rows=rows) == (
+        {"BLOCK_R": 32, "BLOCK_P": 1, "BLOCK_D": 64, "HEAD_MAJOR": True}, 8)
+    assert_triton_parity(kit.make_inputs(case, dtype, device="cuda"), "auto")
+
+
 def test_auto_picks_triton_on_cuda():
     inputs = kit.make_inputs(kit.case("tiny"), F32, device="cuda")
     assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "triton"

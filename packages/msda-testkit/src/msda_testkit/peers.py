@@ -1,0 +1,83 @@
+"""``python -m msda_testkit.peers``: msda's op against other implementations installed beside it (GPU).
+
+The bench's inputs (GPU_CASES) and timing: called from Python, the median of triton's do_bench, backward =
+forward+backward minus forward through torch.autograd.grad. The implementations take turns for ``--rounds``
+rounds and each figure is the median over them, so that the host's speed, which drifts within a lease,
+weighs on all alike. Peers: deformops (its default selection, ``deformops.registry.msda``), when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+
+import torch
+from tabulate import tabulate
+
+from .bench import _DIFFERENTIABLE, DTYPES, GPU_CASES, environment, median_ms
+from .cases import grad_output_for, make_inputs
+
+PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
+ARGUMENTS = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
+
+
+def _installed_peers() -> dict:
+    found = {}
+    for name, (module, attribute) in PEERS.items():
+        try:
+            found[name] = getattr(importlib.import_module(module), attribute)
+        except ImportError:
+            print(f"{name} is not installed: skipped")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default="peers.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the peers run on a CUDA GPU; none is available")
+        return 2
+    peers = _installed_peers()
+    if not peers:
+        print("no peer is installed: " + ", ".join(PEERS))
+        return 2
+    device = torch.device("cuda")
+    rows = []
+    for case in GPU_CASES:
+        for dtype_name in args.dtypes:
+            inputs = make_inputs(case, DTYPES[dtype_name], device=device)
+            leaves = {k: (v.requires_grad_() if k in _DIFFERENTIABLE else v) for k, v in inputs.items()}
+            grad_output = grad_output_for(inputs)
+            calls = {"msda (triton)": lambda: torch.ops.msda.deform_attn(**leaves, backend="triton")}
+            calls |= {name: (lambda fn=fn: fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape))
+                      for name, fn in peers.items()}
+            ours = calls["msda (triton)"]().float()
+            times = {name: ([], []) for name in calls}
+            for _ in range(args.rounds):
+                for name, fn in calls.items():
+                    times[name][0].append(median_ms(fn, device, 1))
+                    times[name][1].append(median_ms(lambda: torch.autograd.grad(
+                        fn(), [leaves[k] for k in _DIFFERENTIABLE], grad_output), device, 1))
+            for name, fn in calls.items():
+                fwd = statistics.median(times[name][0])
+                rows.append({"case": case.name, "dtype": dtype_name, "implementation": name, "fwd_ms": fwd,
+                             "bwd_ms": statistics.median(times[name][1]) - fwd,
+                             "max_abs_diff_from_msda": (fn().float() - ours).abs().max().item()})
+                print(rows[-1], flush=True)
+    env = environment(device)
+    env.update({name: importlib.import_module(PEERS[name][0].split(".")[0]).__version__ for name in peers})
+    print(json.dumps(env))
+    print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".4g"))
+    with open(args.json, "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
