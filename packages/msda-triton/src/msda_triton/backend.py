@@ -91,7 +91,7 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
 
 def needs_int64_offsets(*tensors) -> bool:
     """int32 offsets are exact while every tensor has fewer than 2^30 elements: a partial last block's masked
-    rows reach a little past a tensor's end, still far from 2^31. (int32 made the fp32 forward 1.25x faster at
+    rows reach a little past a tensor's end, still far from 2^31. (int32 made the fp32 forward 1.27x faster at
     4 warps; BENCHMARKS.md.)"""
     return max(t.numel() for t in tensors) >= 2 ** 30
 

@@ -20,7 +20,7 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, rows: int = 
     (``python -m msda_triton.tune`` and ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
     - forward, 32 rows on 4 warps (8 from D > 32, same elements per thread: not timed), head-major, one point
       at a time: fp32 0.215 ms (B8 0.842), bf16 0.168 (0.648), fp16 0.156 (0.607); the best other shapes
-      were within 3% (16 rows on 2 warps; bf16 32 rows on 1 warp row-major 0.168 / 0.634);
+      were within 5% at B2 and 2% at B8, none best at both (BENCHMARKS.md);
     - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and in
       fp16/bf16 4 points of each row per step. Decoder B4 Q300: fp32 0.0099 against 0.0145 ms, bf16 0.0077
       against 0.0115. At B4 Q2400 (76800 rows) fp32 0.061 against 0.068, bf16 0.045 against 0.046; at B4 Q4800
@@ -114,8 +114,8 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     BLOCK_P points of each row per step: the corners are [BLOCK_R, BLOCK_P, BLOCK_D] gathers, so the loads of
     BLOCK_R * BLOCK_P samples are in flight together. Offsets are int32 unless WIDE (launch_forward's choice).
     A non-finite location makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN: the
-    row's output is NaN, as grid_sample's. (A flag carried across the loop instead cost 1.8x in time at 4 warps:
-    its layout differs from the gathers', so every step converted between the two.)"""
+    row's output is NaN, as grid_sample's. (A flag carried across the loop instead cost 1.5-1.8x in time at
+    4 warps: its layout differs from the gathers', so every step converted between the two.)"""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR, WIDE)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = (d < D)[None, None, :]
