@@ -60,6 +60,20 @@ def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
     assert_triton_parity(shifted, "fp32")
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_replayed_launches_read_the_new_tensors(deterministic):
+    """A second call with the same shapes launches every kernel through the first call's plan
+    (backend._replayed), on its own tensors: its results match float64 for its own inputs."""
+    case = replace(kit.case("out_of_bounds"), queries=37)  # a shape no other test launches
+    first, second = (kit.make_inputs(case, F32, device="cuda", seed=seed) for seed in (0, 1))
+    backend._plans.clear()
+    kit.run(first, "triton", kit.grad_output_for(first), deterministic=deterministic)
+    plans = dict(backend._plans)
+    assert len(plans) == (4 if deterministic else 2)  # forward, backward (+ anchor mass, finish)
+    assert_triton_parity(second, "auto", deterministic=deterministic)
+    assert backend._plans == plans  # nothing derived again
+
+
 def test_offsets_past_2_pow_31():
     """value has 2.4e9 elements: batch 1's pixels sit past 2^31; its results must match batch 1 alone."""
     B, H, W, M, D, Q, P = 2, 768, 768, 1, 2048, 64, 4

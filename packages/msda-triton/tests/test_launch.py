@@ -1,4 +1,5 @@
-"""backend._launch: Triton's compiled kernel is reused only for arguments that Triton would specialize alike.
+"""backend._launch and backend._replayed: a launch is repeated through Triton's compiled kernel only for tensors
+that Triton would specialize alike and that fix the same integer arguments (the same shapes).
 
 Stand-ins replace the JIT function and its CompiledKernel, so this runs without a GPU or the interpreter;
 the GPU suite runs the real kernels through the same path (test_gpu.py also mixes aligned and misaligned
@@ -50,35 +51,42 @@ def _at(residue: int, dtype=torch.float32) -> torch.Tensor:
     return buffer[start:start + 64 * dtype.itemsize].view(dtype)
 
 
-def test_the_same_key_launches_through_the_compiled_kernel_with_every_parameter_in_order():
-    kernel, x = _Kernel(), _at(0)
-    backend._launch(kernel, (4,), (x, 64), {"BLOCK": 16}, 2)
-    other_x_same_alignment = _at(0)
-    backend._launch(kernel, (4,), (other_x_same_alignment, 64), {"BLOCK": 16}, 2)
+def _first_launch(kernel, x, **options):
+    backend._launch(kernel, (4,), (x,), (x.numel(),), {"BLOCK": 16}, 2, **options)
+
+
+def test_a_launch_is_replayed_through_the_compiled_kernel_with_every_parameter_in_order():
+    kernel = _Kernel()
+    _first_launch(kernel, _at(0))
+    other_x = _at(16)  # Triton specializes on 16-byte alignment, no finer
+    assert backend._replayed(kernel, (other_x,))
     assert _routes(kernel) == ["jit", "compiled"]
-    assert kernel.launches[1] == ("compiled", (4, 1, 1), (other_x_same_alignment, 64, 16))
+    assert kernel.launches[1] == ("compiled", (4, 1, 1), (other_x, 64, 16))
 
 
-@pytest.mark.parametrize("change", [
-    lambda x, n, c, w: (_at(4), n, c, w),  # 4 bytes past a 16-byte boundary
-    lambda x, n, c, w: (_at(16), n, c, w),  # 16-byte aligned, not 256: finer than Triton's rule
-    lambda x, n, c, w: (_at(0, torch.float64), n, c, w),
-    lambda x, n, c, w: (x, 48, c, w),  # still divisible by 16
-    lambda x, n, c, w: (x, 65, c, w),
-    lambda x, n, c, w: (x, n, {"BLOCK": 32}, w),
-    lambda x, n, c, w: (x, n, c, 4),
-], ids=["misaligned", "aligned-16", "dtype", "integer", "integer-not-16", "constexpr", "num_warps"])
-def test_any_change_triton_could_specialize_on_launches_through_triton(change):
-    kernel, x = _Kernel(), _at(0)
-    backend._launch(kernel, (4,), (x, 64), {"BLOCK": 16}, 2)
-    x2, n2, constexprs2, warps2 = change(x, 64, {"BLOCK": 16}, 2)
-    backend._launch(kernel, (4,), (x2, n2), constexprs2, warps2)
-    assert _routes(kernel) == ["jit", "jit"]
+@pytest.mark.parametrize("other", [
+    lambda: _at(4),  # 4 bytes past a 16-byte boundary
+    lambda: _at(0, torch.float64),
+    lambda: _at(0)[:32],  # another shape: other integer arguments
+    lambda: _at(0).view(8, 8),
+], ids=["misaligned", "dtype", "length", "shape"])
+def test_a_tensor_triton_or_the_launch_could_treat_differently_is_not_replayed(other):
+    kernel = _Kernel()
+    _first_launch(kernel, _at(0))
+    assert not backend._replayed(kernel, (other(),))
+    assert _routes(kernel) == ["jit"]
 
 
-def test_nothing_is_reused_when_triton_returns_no_compiled_kernel():
-    """As under the interpreter, whose launches compile nothing."""
-    kernel, x = _Kernel(returns=lambda launches: None), _at(0)
-    for _ in range(2):
-        backend._launch(kernel, (4,), (x, 64), {"BLOCK": 16}, 2)
-    assert _routes(kernel) == ["jit", "jit"]
+def test_another_kernel_is_not_replayed_by_this_ones_plan():
+    kernel, other_kernel, x = _Kernel(), _Kernel(), _at(0)
+    _first_launch(kernel, x)
+    assert not backend._replayed(other_kernel, (x,))
+
+
+def test_no_plan_is_left_without_a_compiled_kernel_or_when_not_to_be_remembered():
+    """Under the interpreter a launch compiles nothing; launches with a tuning config are not the default's."""
+    interpreted, tuned, x = _Kernel(returns=lambda launches: None), _Kernel(), _at(0)
+    _first_launch(interpreted, x)
+    _first_launch(tuned, x, remember=False)
+    assert not backend._replayed(interpreted, (x,)) and not backend._replayed(tuned, (x,))
+    assert _routes(interpreted) == _routes(tuned) == ["jit"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -41,31 +42,51 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-# (kernel, num_warps, constexprs, each argument's key) -> the CompiledKernel Triton launched for it; see _launch.
-_compiled: dict = {}
+class _Plan(NamedTuple):
+    """How an earlier call launched a kernel: Triton's launcher for its grid, and the arguments after the
+    pointers (the integers, then the constexprs, in the kernel's order)."""
+
+    runner: Callable
+    trailing: tuple
 
 
-def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, reusing the CompiledKernel that Triton returned
-    for an earlier call with the same key. Triton's own launch re-derives every argument's specialization on
-    each call, which for the decoder costs more host time than the rest of the call (BENCHMARKS.md). The key is
-    finer than what Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's width and
-    divisibility by 16): each tensor's dtype, device and address modulo 256, each integer's value, the
-    constexprs and num_warps. So a kernel is reused only where Triton would choose the same one. The
-    interpreter compiles nothing, so there it is Triton's launch every time."""
-    key = (kernel, num_warps, tuple(constexprs.items()), tuple(
-        (a.dtype, a.device, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else a for a in args))
-    compiled = _compiled.get(key)
-    with _on_device(args[0].device):  # every argument is on one device
-        if compiled is None:
-            compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
-            if isinstance(compiled, CompiledKernel):
-                if len(_compiled) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
-                    _compiled.clear()
-                _compiled[key] = compiled
-            return
-        # the launcher takes every parameter in the kernel's order; the constexprs are the trailing ones
-        compiled[grid + (1,) * (3 - len(grid))](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+# _plan_key -> _Plan; see _replayed.
+_plans: dict = {}
+
+
+def _plan_key(kernel, pointers: tuple) -> tuple:
+    """What fixes a launch besides the pointers' addresses. Each launch site derives its integer arguments, grid,
+    constexprs and num_warps from the shapes and dtypes of the tensors it passes, and Triton specializes a
+    pointer on its dtype and 16-byte alignment, so: the kernel, the device, and each tensor's shape, dtype and
+    address modulo 16 (None stays None)."""
+    return (kernel, pointers[0].device, *(None if t is None else (t.shape, t.dtype, t.data_ptr() % 16)
+                                          for t in pointers))
+
+
+def _replayed(kernel, pointers: tuple) -> bool:
+    """Launch ``kernel`` on ``pointers`` (its leading arguments) the way the last launch with the same _plan_key
+    did, if there was one, and say whether it did. This skips deriving the launch (sizes, launch_config, grid)
+    and Triton's own per-argument specialization, which for the decoder cost more host time than the rest of
+    the call (BENCHMARKS.md)."""
+    plan = _plans.get(_plan_key(kernel, pointers))
+    if plan is None:
+        return False
+    with _on_device(pointers[0].device):
+        plan.runner(*pointers, *plan.trailing)
+    return True
+
+
+def _launch(kernel, grid: tuple, pointers: tuple, scalars: tuple, constexprs: dict, num_warps: int,
+            remember: bool = True) -> None:
+    """``kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)`` through Triton's JIT, leaving a
+    plan for _replayed when ``remember``. The interpreter compiles nothing, so it leaves none."""
+    with _on_device(pointers[0].device):
+        compiled = kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)
+    if remember and isinstance(compiled, CompiledKernel):
+        if len(_plans) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
+            _plans.clear()
+        tail = (constexprs[name] for name in kernel.arg_names[len(pointers) + len(scalars):])
+        _plans[_plan_key(kernel, pointers)] = _Plan(compiled[grid + (1,) * (3 - len(grid))], (*scalars, *tail))
 
 
 def _sizes(value, sampling_locations):
@@ -78,15 +99,18 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
                    config=None):
     """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config (and
     the offsets' width, if it names WIDE)."""
+    pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out)
+    if config is None and _replayed(kernels.forward_kernel, pointers):
+        return
     sizes = _sizes(value, sampling_locations)
     n_rows, Q, _, M, D = sizes[:5]
     blocks, num_warps = config or kernels.launch_config(D, backward=False, value_fp32=value.dtype == torch.float32,
                                                         rows=n_rows)
     block_r = blocks["BLOCK_R"]
     row_blocks = triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"] else triton.cdiv(n_rows, block_r)
-    _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])),
-            (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, *sizes),
-            {"WIDE": needs_int64_offsets(value, sampling_locations, out), **blocks}, num_warps)
+    _launch(kernels.forward_kernel, (row_blocks, triton.cdiv(D, blocks["BLOCK_D"])), pointers, sizes,
+            {"WIDE": needs_int64_offsets(value, sampling_locations, out), **blocks}, num_warps,
+            remember=config is None)
 
 
 def needs_int64_offsets(*tensors) -> bool:
@@ -102,12 +126,13 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
     no host sync: max|a|, max|g| and the largest anchored mass of kernels.anchor_mass_kernel."""
     weight_max = torch.linalg.vector_norm(attention_weights, float("inf"))
     grad_max = torch.linalg.vector_norm(grad_output, float("inf"))
-    n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
-    blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
-    _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),),
-            (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass,
-             n_rows, Q, S, M, L, P), blocks, num_warps)
+    pointers = (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass)
+    if not _replayed(kernels.anchor_mass_kernel, pointers):
+        n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
+        blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
+        _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),), pointers,
+                (n_rows, Q, S, M, L, P), blocks, num_warps)
     return weight_max, grad_max, mass.amax()
 
 
@@ -116,14 +141,16 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
     With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
     maxima from fixed_point_maxima."""
+    fraction, maxima = fixed_point or (None, (None, None, None))
+    pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
+                grad_value, fraction, grad_locations, grad_weights, *maxima)
+    if config is None and _replayed(kernels.backward_kernel, pointers):
+        return
     sizes = _sizes(value, sampling_locations)
     blocks, num_warps = config or kernels.launch_config(
         sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
-    fraction, maxima = fixed_point or (None, (None, None, None))
-    _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),),
-            (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
-             grad_value, fraction, grad_locations, grad_weights, *maxima, *sizes),
-            {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
+    _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),), pointers, sizes,
+            {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps, remember=config is None)
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -152,9 +179,11 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     fraction, maxima = torch.zeros_like(grad_value), fixed_point_maxima(grad_output, *inputs)
     launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
-    blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
-    _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),),
-            (grad_value, fraction, *maxima, out, value.numel()), blocks, num_warps)
+    pointers = (grad_value, fraction, *maxima, out)
+    if not _replayed(kernels.fixed_point_finish_kernel, pointers):
+        blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
+        _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),), pointers,
+                (value.numel(),), blocks, num_warps)
     return out, grad_locations, grad_weights
 
 
