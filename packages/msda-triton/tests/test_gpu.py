@@ -48,8 +48,8 @@ def test_auto_picks_triton_on_cuda():
 
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
-    """backend._launch reuses a compiled kernel per key. The kernels compiled for 16-byte aligned tensors use
-    16-byte loads, so tensors starting one element later must get kernels of their own."""
+    """A launch is replayed for tensors of the same key (backend._replayed). The kernels compiled for 16-byte
+    aligned tensors use 16-byte loads, so tensors starting one element later must get kernels of their own."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, device="cuda")
     assert_triton_parity(inputs, "fp32")
     shifted = dict(inputs)
