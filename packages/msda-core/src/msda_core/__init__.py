@@ -4,7 +4,7 @@ Importing this package registers the op. Backends come from other packages (msda
 msda-triton) through the ``msda.backends`` entry points.
 """
 
-from .op import deform_attn
+from .op import deform_attn, output_shape
 from .registry import (
     Backend,
     BackendUnavailableError,
@@ -27,6 +27,6 @@ def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum
 
 
 __all__ = [
-    "Backend", "BackendUnavailableError", "Inputs", "backends", "deform_attn", "load_errors", "register",
-    "requested", "resolve", "resolve_backend", "unregister", "use_backend",
+    "Backend", "BackendUnavailableError", "Inputs", "backends", "deform_attn", "load_errors", "output_shape",
+    "register", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
 ]

@@ -22,7 +22,8 @@ torch.library.define("msda::deform_attn", SCHEMA)
 torch.library.define("msda::deform_attn_backward", BACKWARD_SCHEMA)
 
 
-def _output_shape(value, sampling_locations):
+def output_shape(value, sampling_locations) -> tuple:
+    """The op's (B, Q, M*D): for backends and tools that allocate the output themselves."""
     B, Q = sampling_locations.shape[:2]
     return (B, Q, value.shape[2] * value.shape[3])
 
@@ -52,7 +53,7 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
     chosen, level_start_index = _prepare(value, spatial_shapes, level_start_index, sampling_locations,
                                          attention_weights, backend, grad_accum)
     if _is_empty(value, sampling_locations):
-        return value.new_zeros(_output_shape(value, sampling_locations))
+        return value.new_zeros(output_shape(value, sampling_locations))
     return chosen.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
@@ -61,7 +62,7 @@ def _deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locatio
                       backend="auto", grad_accum="auto", deterministic=None):
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return value.new_empty(_output_shape(value, sampling_locations))
+    return value.new_empty(output_shape(value, sampling_locations))
 
 
 @torch.library.impl("msda::deform_attn_backward", "default")
@@ -89,7 +90,7 @@ def _deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_i
 
 
 def _check_grad_output(grad_output, value, sampling_locations):
-    expected = _output_shape(value, sampling_locations)
+    expected = output_shape(value, sampling_locations)
     if tuple(grad_output.shape) != expected:
         raise ValueError(f"grad_output: expected shape (B, Q, M*D) = {expected}, got {tuple(grad_output.shape)}")
     if grad_output.device != value.device:

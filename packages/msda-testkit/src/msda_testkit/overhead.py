@@ -30,11 +30,6 @@ from .cases import case, grad_output_for, make_inputs
 _NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
 
 
-def _empty_output(value, loc):
-    """The op's (B, Q, M*D) output, allocated and not computed."""
-    return value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * value.shape[3])
-
-
 def _outputs_like(value, loc, weights):
     return torch.empty_like(value), torch.empty_like(loc), torch.empty_like(weights)
 
@@ -43,7 +38,7 @@ class _Bare(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, loc, weights):
         ctx.save_for_backward(value, loc, weights)
-        return _empty_output(value, loc)
+        return value.new_empty(msda_core.output_shape(value, loc))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -60,7 +55,7 @@ def _library_op_pair(lib, name: str, backend=None):
     def forward(value, spatial_shapes, level_start_index, loc, weights, **options):
         if backend:
             return backend.forward(value, spatial_shapes, level_start_index, loc, weights)
-        return _empty_output(value, loc)
+        return value.new_empty(msda_core.output_shape(value, loc))
 
     def backward(grad_output, value, spatial_shapes, level_start_index, loc, weights, **options):
         if backend:
@@ -100,7 +95,7 @@ def main(argv=None) -> int:
     leaves = [t.requires_grad_() for t in (value, loc, weights)]
     grad_output = grad_output_for(inputs)
     msda_core.register(msda_core.Backend(
-        "overhead_noop", forward=lambda v, s, st, l, w: _empty_output(v, l),
+        "overhead_noop", forward=lambda v, s, st, l, w: v.new_empty(msda_core.output_shape(v, l)),
         backward=lambda g, v, s, st, l, w, accum, det: _outputs_like(v, l, w),
         devices=frozenset({device.type}), dtypes=frozenset({dtype})))
     chosen = msda_core.resolve(msda_core.requested(args.backend), msda_core.Inputs.of(value, loc))

@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.compiler import CompiledKernel
 
-from msda_core import Backend
+from msda_core import Backend, output_shape
 
 from . import kernels
 
@@ -156,8 +156,7 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
         t.contiguous() for t in (value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
-    B, Q = sampling_locations.shape[:2]
-    out = value.new_empty(B, Q, value.shape[2] * value.shape[3])
+    out = value.new_empty(output_shape(value, sampling_locations))
     launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out)
     return out
 

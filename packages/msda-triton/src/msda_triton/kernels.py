@@ -157,7 +157,7 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     whose first in-map corner (its 00 corner clamped into the map) is pixel s. Integer adds: deterministic.
     An element at pixel s receives terms only from samples anchored at s, s-1, s-W or s-W-1, so 4 * max(mass)
     bounds both its count of terms and its sum of |a| in units. One atomic per sample, not four."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False, True)
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
     head_start = _head_start(rows, Q, S, M)
     per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
     for level in range(L):
@@ -239,7 +239,7 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
     maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, False, True)
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
     scale = 1.0

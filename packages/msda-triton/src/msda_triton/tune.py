@@ -14,6 +14,7 @@ import torch
 import triton.testing
 from tabulate import tabulate
 
+import msda_core
 import msda_testkit as kit
 from .backend import launch_backward, launch_forward
 from .kernels import launch_config
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         value, shapes, starts, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "level_start_index",
                                                                   "sampling_locations", "attention_weights"))
         D = value.shape[3]
-        out = value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * D)
+        out = value.new_empty(msda_core.output_shape(value, loc))
         grad_output = kit.grad_output_for(inputs)
         grads = (torch.zeros(value.shape, dtype=torch.float32, device="cuda"), torch.empty_like(loc),
                  torch.empty_like(weights))
