@@ -64,10 +64,10 @@ def _plan_key(kernel, pointers: tuple) -> tuple:
 
 
 def _replayed(kernel, pointers: tuple) -> bool:
-    """Launch ``kernel`` on ``pointers`` (its leading arguments) the way the last launch with the same _plan_key
-    did, if there was one, and say whether it did. This skips deriving the launch (sizes, launch_config, grid)
-    and Triton's own per-argument specialization, which for the decoder cost more host time than the rest of
-    the call (BENCHMARKS.md)."""
+    """Launch ``kernel`` on ``pointers`` (its leading arguments) as the launch that left a plan for their
+    _plan_key did, if one did, and say whether it launched. This skips deriving the launch (sizes,
+    launch_config, grid) and Triton's own per-argument specialization, which for the decoder cost more host
+    time than the rest of the call (BENCHMARKS.md)."""
     plan = _plans.get(_plan_key(kernel, pointers))
     if plan is None:
         return False
