@@ -7,15 +7,14 @@ import torch
 from core_inputs import tiny_inputs
 
 import msda_core
-from msda_core import BackendUnavailableError, registry
+from msda_core import BackendUnavailableError, output_shape, registry
 
 
 def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0,
          deterministic_on=()):
     """A backend whose output tells which backend ran: every element equals ``scale``."""
     def forward(value, shapes, starts, loc, weights):
-        B, Q = loc.shape[:2]
-        return value.new_full((B, Q, value.shape[2] * value.shape[3]), scale)
+        return value.new_full(output_shape(value, loc), scale)
 
     def backward(grad, value, shapes, starts, loc, weights, grad_accum, deterministic):
         return (torch.full_like(value, scale), torch.full_like(loc, scale), torch.full_like(weights, scale))

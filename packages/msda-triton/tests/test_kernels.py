@@ -162,11 +162,10 @@ def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     queries, and the last block of each head is partial where Q is odd; with 4 points per step,
     many_levels_points' 5 points per level end in a partial step."""
     inputs = kit.make_inputs(kit.case(case), F32, device=DEVICE)
-    value, shapes, starts, loc, weights = (inputs[k].contiguous() for k in (
-        "value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"))
+    value, shapes, starts, loc, weights = (inputs[k].contiguous() for k in kit.ARGUMENTS)
     outputs = []
     for head_major, wide in itertools.product((False, True), (False, True)):
-        outputs.append(value.new_empty(loc.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
+        outputs.append(value.new_empty(msda_core.output_shape(value, loc)))
         launch_forward(value, shapes, starts, loc, weights, outputs[-1], ({
             "BLOCK_R": 2, "BLOCK_P": block_p, "BLOCK_D": triton.next_power_of_2(value.shape[3]),
             "HEAD_MAJOR": head_major, "WIDE": wide}, 1))

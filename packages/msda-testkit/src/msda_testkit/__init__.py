@@ -2,8 +2,8 @@
 the kernel manifest check, and the report and bench entry points."""
 
 from .cases import (
-    DETR_LEVELS, EDGE_CASES, GRADCHECK_HEAD_DIMS, SMALL_CASES, STANDARD_CASES, Case, case, grad_output_for,
-    make_inputs, upcast, with_head_dim,
+    ARGUMENTS, DETR_LEVELS, DIFFERENTIABLE, EDGE_CASES, GRADCHECK_HEAD_DIMS, SMALL_CASES, STANDARD_CASES, Case, case,
+    grad_output_for, make_inputs, upcast, with_head_dim,
 )
 from .compare import Comparison, assert_close, compare
 from .replay import assert_replays_bit_exact

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -24,7 +25,7 @@ from tabulate import tabulate
 
 import msda_core
 
-from .cases import DETR_LEVELS, DETR_S, STANDARD_CASES, Case, grad_output_for, make_inputs
+from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # On the GPU, locations are uniform in [-0.1, 1.1] as in PEERS.md's measurements, so the figures compare.
@@ -34,13 +35,12 @@ SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (
     tuple(replace(GPU_CASES[1], name=f"sweep_b{b}_q{DETR_S}", batch=b) for b in (1, 4))
 CPU_CASES = (Case("decoder_b1_q300", batch=1, queries=300, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
              Case("encoder_b1", batch=1, queries=DETR_S, heads=8, head_dim=32, levels=DETR_LEVELS, points=4))
-_DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")
 
 
 def must_move_bytes(inputs: dict, backward: bool) -> int:
     """Each input read once and each output written once: the floor on memory traffic."""
-    value, loc, weights = (inputs[k] for k in _DIFFERENTIABLE)
-    out = loc.shape[0] * loc.shape[1] * value.shape[2] * value.shape[3] * value.element_size()
+    value, loc, weights = (inputs[k] for k in DIFFERENTIABLE)
+    out = math.prod(msda_core.output_shape(value, loc)) * value.element_size()
     reads = sum(t.numel() * t.element_size() for t in (value, loc, weights))
     if not backward:
         return reads + out
@@ -90,7 +90,7 @@ def copy_bandwidth(device) -> float:
 def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto",
             deterministic: bool = False) -> dict:
     inputs = make_inputs(case, dtype, device=device)
-    leaves = {k: (v.requires_grad_() if k in _DIFFERENTIABLE else v) for k, v in inputs.items()}
+    leaves = {k: (v.requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
     grad_output = grad_output_for(inputs)
 
     def forward():
@@ -98,7 +98,7 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
                                           deterministic=deterministic)
 
     def forward_backward():
-        return torch.autograd.grad(forward(), [leaves[k] for k in _DIFFERENTIABLE], grad_output)
+        return torch.autograd.grad(forward(), [leaves[k] for k in DIFFERENTIABLE], grad_output)
 
     row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend,
            "grad_accum": "deterministic" if deterministic else grad_accum,

@@ -6,11 +6,14 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from msda_core import output_shape
 from msda_core.validation import level_starts
 
 DETR_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))  # Deformable DETR at 800x1333, strides 8..64
 DETR_S = sum(h * w for h, w in DETR_LEVELS)  # 22223
 TINY_LEVELS = ((6, 4), (3, 2))  # the anchors' gradcheck levels
+ARGUMENTS = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")  # in order
+DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")  # the arguments that have gradients
 
 
 @dataclass(frozen=True)
@@ -149,10 +152,9 @@ def _non_contiguous(t):
 
 def grad_output_for(inputs: dict, seed: int = 1) -> torch.Tensor:
     """A seeded N(0, 1) gradient of the output (B, Q, M*D), in value's dtype and on its device."""
-    value, loc = inputs["value"], inputs["sampling_locations"]
-    shape = (loc.shape[0], loc.shape[1], value.shape[2] * value.shape[3])
+    value = inputs["value"]
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(value.dtype).to(value.device)
+    return torch.randn(output_shape(value, inputs["sampling_locations"]), generator=g, dtype=torch.float64).to(value.dtype).to(value.device)
 
 
 def upcast(inputs: dict, dtype=torch.float64, device=None) -> dict:

@@ -25,10 +25,7 @@ import msda_core
 from msda_core import op
 
 from .bench import median_ms
-from .cases import case, grad_output_for, make_inputs
-
-_NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
-
+from .cases import ARGUMENTS, case, grad_output_for, make_inputs
 
 def _outputs_like(value, loc, weights):
     return torch.empty_like(value), torch.empty_like(loc), torch.empty_like(weights)
@@ -91,7 +88,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     inputs = make_inputs(case("decoder_b4_q300"), dtype, device=device)
-    value, shapes, starts, loc, weights = (inputs[k] for k in _NAMES)
+    value, shapes, starts, loc, weights = (inputs[k] for k in ARGUMENTS)
     leaves = [t.requires_grad_() for t in (value, loc, weights)]
     grad_output = grad_output_for(inputs)
     msda_core.register(msda_core.Backend(

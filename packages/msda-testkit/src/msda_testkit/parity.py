@@ -6,12 +6,11 @@ import torch
 
 import msda_core
 
-from .cases import grad_output_for, upcast
+from .cases import DIFFERENTIABLE, grad_output_for, upcast
 from .compare import compare
 from .tolerances import tolerance
 
 GRAD_NAMES = ("grad_value", "grad_sampling_locations", "grad_attention_weights")
-_DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")
 
 
 def run(inputs: dict, backend: str, grad_output: torch.Tensor | None = None, **op_kwargs) -> dict:
@@ -19,12 +18,12 @@ def run(inputs: dict, backend: str, grad_output: torch.Tensor | None = None, **o
 
     Returns {"output": ..., "grad_value": ..., ...}; the inputs are left untouched.
     """
-    leaves = {k: (v.detach().requires_grad_(grad_output is not None) if k in _DIFFERENTIABLE else v)
+    leaves = {k: (v.detach().requires_grad_(grad_output is not None) if k in DIFFERENTIABLE else v)
               for k, v in inputs.items()}
     out = msda_core.deform_attn(**leaves, backend=backend, **op_kwargs)
     result = {"output": out.detach()}
     if grad_output is not None:
-        grads = torch.autograd.grad(out, [leaves[k] for k in _DIFFERENTIABLE], grad_output)
+        grads = torch.autograd.grad(out, [leaves[k] for k in DIFFERENTIABLE], grad_output)
         result.update(zip(GRAD_NAMES, grads))
     return result
 

@@ -40,8 +40,7 @@ def main(argv=None) -> int:
     rows = []
     for dtype_name in args.dtypes:
         inputs = kit.make_inputs(case, DTYPES[dtype_name], device="cuda")
-        value, shapes, starts, loc, weights = (inputs[k] for k in ("value", "spatial_shapes", "level_start_index",
-                                                                  "sampling_locations", "attention_weights"))
+        value, shapes, starts, loc, weights = (inputs[k] for k in kit.ARGUMENTS)
         D = value.shape[3]
         out = value.new_empty(msda_core.output_shape(value, loc))
         grad_output = kit.grad_output_for(inputs)
