@@ -9,7 +9,7 @@ from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
 
 import msda_core
 import msda_testkit as kit
-from msda_triton import backend, kernels
+from msda_triton import backend, compile_ptx, kernels
 
 pytestmark = gpu_only
 F16, F32 = torch.float16, torch.float32
@@ -200,3 +200,13 @@ def test_deterministic_request_refuses_grid_sample_on_cuda():
     inputs = kit.make_inputs(kit.case("tiny"), F32, device="cuda")
     with pytest.raises(msda_core.BackendUnavailableError, match="its backward is not deterministic on 'cuda'"):
         kit.run(inputs, "grid_sample", kit.grad_output_for(inputs), deterministic=True)
+
+
+def test_kernels_fuse_multiply_adds_whatever_tritons_default(monkeypatch):
+    """kernels.COMPILE_OPTIONS asks for FP fusion: with Triton's default off (3.10's), the fp32 forward still
+    compiles to FMAs, and without the options it would not."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    fp32_forward = next(v[1:] for v in compile_ptx._variants() if v[0].startswith("forward fp32"))
+    assert "fma.rn.f32" in compile_ptx.compile_variant(*fp32_forward, arch=90)
+    monkeypatch.setattr(kernels, "COMPILE_OPTIONS", {})
+    assert "fma.rn.f32" not in compile_ptx.compile_variant(*fp32_forward, arch=90)

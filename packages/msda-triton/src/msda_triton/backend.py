@@ -78,10 +78,11 @@ def _replayed(kernel, pointers: tuple) -> bool:
 
 def _launch(kernel, grid: tuple, pointers: tuple, scalars: tuple, constexprs: dict, num_warps: int,
             remember: bool = True) -> None:
-    """``kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)`` through Triton's JIT, leaving a
-    plan for _replayed when ``remember``. The interpreter compiles nothing, so it leaves none."""
+    """``kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)`` with kernels.COMPILE_OPTIONS,
+    through Triton's JIT, leaving a plan for _replayed when ``remember``. The interpreter compiles nothing, so it
+    leaves none."""
     with _on_device(pointers[0].device):
-        compiled = kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)
+        compiled = kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps, **kernels.COMPILE_OPTIONS)
     if remember and isinstance(compiled, CompiledKernel):
         if len(_plans) >= 1024:  # shapes vary with image size: bound the cache, don't grow forever
             _plans.clear()

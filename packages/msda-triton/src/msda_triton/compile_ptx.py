@@ -72,7 +72,8 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: in
             signature[name] = "*i64" if name in INDEX_POINTERS else "*" + pointer_types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
+    options = {"num_warps": num_warps, **kernels.COMPILE_OPTIONS}  # as backend._launch passes them
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
 
 
 def atomic_instructions(ptx: str) -> str:
