@@ -37,14 +37,26 @@ CPU_CASES = (Case("decoder_b1_q300", batch=1, queries=300, heads=8, head_dim=32,
              Case("encoder_b1", batch=1, queries=DETR_S, heads=8, head_dim=32, levels=DETR_LEVELS, points=4))
 
 
-def must_move_bytes(inputs: dict, backward: bool) -> int:
-    """Each input read once and each output written once: the floor on memory traffic."""
+def must_move_bytes(inputs: dict) -> tuple:
+    """The floors on memory traffic of the forward and of the backward: each input read once and each output
+    written once, where of value only the rows that some sample reads count (the decoder's samples read 30% of
+    them; the encoder's, all)."""
     value, loc, weights = (inputs[k] for k in DIFFERENTIABLE)
     out = math.prod(msda_core.output_shape(value, loc)) * value.element_size()
-    reads = sum(t.numel() * t.element_size() for t in (value, loc, weights))
-    if not backward:
-        return reads + out
-    return 2 * reads + out  # read value, locations, weights and grad_output; write the three gradients
+    reads = _rows_read(inputs) * value.shape[3] * value.element_size() + loc.nbytes + weights.nbytes
+    # the backward reads value's rows, the locations, the weights and grad_output; writes all of the three gradients
+    return reads + out, reads + out + value.nbytes + loc.nbytes + weights.nbytes
+
+
+def _rows_read(inputs: dict) -> int:
+    """How many (b, s, m) rows of value some sample reads with a nonzero weight: those whose gradient is
+    nonzero for a grad_output of ones and |attention_weights|, in fp32 (every term of those sums is >= 0, so
+    none cancels)."""
+    value = inputs["value"].detach().float().requires_grad_()
+    out = torch.ops.msda.deform_attn(value, inputs["spatial_shapes"], inputs["level_start_index"],
+                                     inputs["sampling_locations"].float(), inputs["attention_weights"].float().abs())
+    (grad_value,) = torch.autograd.grad(out, value, torch.ones_like(out))
+    return int((grad_value != 0).any(-1).sum())
 
 
 def median_ms(fn, device, repeats: int) -> float:
@@ -87,19 +99,27 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+def training_leaves(inputs: dict) -> dict:
+    """The inputs, the differentiable ones made leaves that require grad, as a training step passes them."""
+    return {k: (v.requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
+
+
+def with_backward(forward, leaves: dict, grad_output):
+    """What the bench times as forward+backward: ``forward()``, then torch.autograd.grad into the leaves."""
+    return lambda: torch.autograd.grad(forward(), [leaves[k] for k in DIFFERENTIABLE], grad_output)
+
+
 def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto",
             deterministic: bool = False) -> dict:
     inputs = make_inputs(case, dtype, device=device)
-    leaves = {k: (v.requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
+    leaves = training_leaves(inputs)
     grad_output = grad_output_for(inputs)
 
     def forward():
         return torch.ops.msda.deform_attn(**leaves, backend=backend, grad_accum=grad_accum,
                                           deterministic=deterministic)
 
-    def forward_backward():
-        return torch.autograd.grad(forward(), [leaves[k] for k in DIFFERENTIABLE], grad_output)
-
+    forward_backward = with_backward(forward, leaves, grad_output)
     row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend,
            "grad_accum": "deterministic" if deterministic else grad_accum,
            "B": case.batch, "Q": case.queries}
@@ -116,8 +136,7 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
         forward_backward()
         torch.cuda.synchronize(device)
         row["peak_extra_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
-    row["fwd_min_bytes"] = must_move_bytes(inputs, backward=False)
-    row["bwd_min_bytes"] = must_move_bytes(inputs, backward=True)
+    row["fwd_min_bytes"], row["bwd_min_bytes"] = must_move_bytes(inputs)
     return row
 
 

@@ -16,8 +16,8 @@ import statistics
 import torch
 from tabulate import tabulate
 
-from .bench import DTYPES, GPU_CASES, environment, median_ms
-from .cases import ARGUMENTS, DIFFERENTIABLE, grad_output_for, make_inputs
+from .bench import DTYPES, GPU_CASES, environment, median_ms, training_leaves, with_backward
+from .cases import ARGUMENTS, grad_output_for, make_inputs
 
 PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for case in GPU_CASES:
         for dtype_name in args.dtypes:
             inputs = make_inputs(case, DTYPES[dtype_name], device=device)
-            leaves = {k: (v.requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
+            leaves = training_leaves(inputs)
             grad_output = grad_output_for(inputs)
             calls = {"msda (triton)": lambda: torch.ops.msda.deform_attn(**leaves, backend="triton")}
             calls |= {name: (lambda fn=fn: fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape))
@@ -60,8 +60,7 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, fn in calls.items():
                     times[name][0].append(median_ms(fn, device, 1))
-                    times[name][1].append(median_ms(lambda: torch.autograd.grad(
-                        fn(), [leaves[k] for k in DIFFERENTIABLE], grad_output), device, 1))
+                    times[name][1].append(median_ms(with_backward(fn, leaves, grad_output), device, 1))
             for name, fn in calls.items():
                 fwd = statistics.median(times[name][0])
                 rows.append({"case": case.name, "dtype": dtype_name, "implementation": name, "fwd_ms": fwd,

@@ -1,0 +1,25 @@
+"""The bench's bandwidth floor counts what must move, and no more."""
+
+import torch
+
+from msda_testkit import bench
+from msda_testkit.cases import Case, make_inputs
+
+
+def test_must_move_bytes_counts_only_the_value_rows_that_samples_read():
+    """Every sample of level 0 at the centre of its pixel (0, 0) (exactly: the sizes are powers of 2), every other
+    level weighted 0: one row of value per (b, m) is read, with weight 1. The backward still writes all of
+    grad_value."""
+    inputs = make_inputs(Case("pixel_00", batch=2, queries=5, levels=((4, 8), (2, 2))), torch.float32)
+    value, loc, weights = inputs["value"], inputs["sampling_locations"], inputs["attention_weights"]
+    B, S, M, D = value.shape
+    H0, W0 = inputs["spatial_shapes"][0].tolist()
+    loc[..., 0] = 0.5 / W0
+    loc[..., 1] = 0.5 / H0
+    weights[:, :, :, 1:] = 0
+    rows_read = B * M * D * 4
+    others = loc.nbytes + weights.nbytes + B * loc.shape[1] * M * D * 4  # the locations, weights and output
+    gradients = value.nbytes + loc.nbytes + weights.nbytes
+    assert bench.must_move_bytes(inputs) == (rows_read + others, rows_read + others + gradients)
+    weights[:, :, :, 0] = 0  # nothing weighted: no row of value must move
+    assert bench.must_move_bytes(inputs) == (others, others + gradients)
