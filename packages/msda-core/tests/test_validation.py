@@ -5,7 +5,6 @@ import torch
 from core_inputs import tiny_inputs
 
 import msda_core
-from msda_core import registry
 
 
 def _set(key, make):

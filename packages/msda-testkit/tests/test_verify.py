@@ -1,5 +1,3 @@
-import torch
-
 import msda_core
 from msda_testkit.verify import verify
 
