@@ -154,7 +154,7 @@ def test_deterministic_none_follows_torch_and_takes_the_fixed_point_path():
     assert not torch.equal(kit.replay.bits(atomic), kit.replay.bits(explicit))
 
 
-@pytest.mark.parametrize("block_p", [1, 4])
+@pytest.mark.parametrize("block_p", [1, 2, 4])  # each rule's points per step
 @pytest.mark.parametrize("case", ["out_of_bounds", "non_contiguous", "nonfinite", "many_levels_points"])
 def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     """Head-major and row-major blocks (kernels._block_rows), with int32 or int64 offsets, compute every row

@@ -24,10 +24,12 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, rows: int = 
     - forward, 32 rows on 4 warps (8 from D > 32, same elements per thread: not timed), head-major, one point
       at a time: fp32 0.215 ms (B8 0.842), bf16 0.168 (0.648), fp16 0.156 (0.607); the best other shapes
       were within 5% at B2 and 2% at B8, none best at both (BENCHMARKS.md);
-    - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and in
-      fp16/bf16 4 points of each row per step. Decoder B4 Q300: fp32 0.0099 against 0.0145 ms, bf16 0.0077
-      against 0.0115. At B4 Q2400 (76800 rows) fp32 0.061 against 0.068, bf16 0.045 against 0.046; at B4 Q4800
-      (153600 rows) 0.110 against 0.108 and 0.085 against 0.080, hence the threshold;
+    - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and of each
+      row 2 points per step in fp32, 4 in fp16/bf16. Decoder B4 Q300: fp32 with 1 point 0.0099 against 0.0145
+      ms, bf16 0.0077 against 0.0115. At B4 Q2400 (76800 rows) fp32 0.061 against 0.068, bf16 0.045 against
+      0.046; at B4 Q4800 (153600 rows) 0.110 against 0.108 and 0.085 against 0.080, hence the threshold.
+      Then 2 points in fp32, with a cold L2 (1 point / 2 points / the many-rows rule): Q300 0.0213 / 0.0199,
+      Q2400 0.0688 / 0.0650 / 0.0765, Q4000 (128000 rows) 0.1004 / 0.0967 / 0.0997; warm, 2 points gained 4-8%;
     - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
       warps: fp32 0.867 against 1.05 ms with 64 rows; deterministic 2.13 against 2.25;
     - backward with fp16/bf16 atomic adds (``half_atomics``), 64 rows on 4 warps: 16 rows took fp16 0.709
@@ -36,7 +38,7 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, rows: int = 
     if backward:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
     if rows < FEW_ROWS:
-        return ({"BLOCK_R": 4, "BLOCK_P": 1 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
+        return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
     return {"BLOCK_R": 32, "BLOCK_P": 1, "BLOCK_D": block_d, "HEAD_MAJOR": True}, 4 if block_d <= 32 else 8
 
