@@ -153,8 +153,9 @@ def _non_contiguous(t):
 def grad_output_for(inputs: dict, seed: int = 1) -> torch.Tensor:
     """A seeded N(0, 1) gradient of the output (B, Q, M*D), in value's dtype and on its device."""
     value = inputs["value"]
+    shape = output_shape(value, inputs["sampling_locations"])
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(output_shape(value, inputs["sampling_locations"]), generator=g, dtype=torch.float64).to(value.dtype).to(value.device)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(value.dtype).to(value.device)
 
 
 def upcast(inputs: dict, dtype=torch.float64, device=None) -> dict:

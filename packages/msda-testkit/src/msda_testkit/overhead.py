@@ -27,6 +27,7 @@ from msda_core import op
 from .bench import median_ms
 from .cases import ARGUMENTS, case, grad_output_for, make_inputs
 
+
 def _outputs_like(value, loc, weights):
     return torch.empty_like(value), torch.empty_like(loc), torch.empty_like(weights)
 
