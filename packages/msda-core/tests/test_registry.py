@@ -11,7 +11,7 @@ from msda_core import BackendUnavailableError, output_shape, registry
 
 
 def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0,
-         deterministic_on=()):
+         reproducible_on=()):
     """A backend whose output tells which backend ran: every element equals ``scale``."""
     def forward(value, shapes, starts, loc, weights):
         return value.new_full(output_shape(value, loc), scale)
@@ -22,7 +22,7 @@ def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limit
     kwargs = {"limits": limits} if limits else {}
     return msda_core.Backend(name, forward, backward, devices=frozenset({"cpu"}), dtypes=frozenset(dtypes),
                              auto_devices=frozenset(auto_devices), priority=priority,
-                             deterministic_on=frozenset(deterministic_on), **kwargs)
+                             reproducible_on=frozenset(reproducible_on), **kwargs)
 
 
 @pytest.fixture
@@ -31,7 +31,6 @@ def toys(monkeypatch):
     monkeypatch.setattr(registry, "_backends", {})
     monkeypatch.setattr(registry, "_load_errors", {})
     monkeypatch.setattr(registry, "_discovered", False)
-    monkeypatch.setattr(registry, "_scopes", [])
     monkeypatch.setattr(registry, "_resolved", {})
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     broken = EntryPoint("broken", "msda_no_such_module_for_tests:BACKEND", registry.ENTRY_POINT_GROUP)
@@ -78,21 +77,32 @@ def test_unsupported_request_lists_every_backend_and_why(toys):
     with pytest.raises(BackendUnavailableError) as info:
         _ran(backend="fp32_only")
     message = str(info.value)
-    assert "'fp32_only' cannot run these inputs" in message
+    assert "'fp32_only' (asked for by the backend= argument) cannot run these inputs" in message
     assert "dtype torch.float64 not supported" in message
     for name in ("slow", "fast", "manual"):
         assert f"  {name}: supports these inputs" in message
     assert "broken: failed to import: ModuleNotFoundError" in message
 
 
-def test_unknown_request_names_the_known_backends(toys):
-    with pytest.raises(BackendUnavailableError, match=r"expected 'auto' or one of \['broken', 'fast', 'fp32_only', "
-                                                      r"'manual', 'slow'\], got 'nope'"):
+def test_unknown_request_names_the_known_backends_and_where_it_came_from(toys, monkeypatch):
+    known = r"expected 'auto' or one of \['broken', 'fast', 'fp32_only', 'manual', 'slow'\], got 'nope'"
+    with pytest.raises(BackendUnavailableError, match=known + r" \(asked for by the backend= argument\)"):
         _ran(backend="nope")
+    with msda_core.use_backend("nope"), pytest.raises(BackendUnavailableError, match="by a use_backend\\(\\) scope"):
+        _ran()
+    monkeypatch.setenv("MSDA_BACKEND", "nope")
+    with pytest.raises(BackendUnavailableError, match="by the MSDA_BACKEND environment variable"):
+        _ran()
+
+
+def test_a_first_party_backend_that_is_not_installed_names_its_package(toys):
+    with pytest.raises(BackendUnavailableError, match="'triton' .* provided by the package msda-triton, which is not "
+                                                      "installed"):
+        _ran(backend="triton")
 
 
 def test_backend_that_failed_to_import_raises_its_error_when_asked_by_name(toys):
-    with pytest.raises(BackendUnavailableError, match="'broken' failed to import") as info:
+    with pytest.raises(BackendUnavailableError, match="'broken' .*failed to import") as info:
         _ran(backend="broken")
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
     assert _ran() == 2.0  # and auto skips it quietly
@@ -151,17 +161,74 @@ def test_double_backward_is_a_clear_error(toys):
         grad.sum().backward()
 
 
-def test_deterministic_backward_refuses_backends_that_are_not(toys):
-    msda_core.register(_toy("steady", priority=2, scale=5.0, deterministic_on=("cpu",)))
+def test_deterministic_request_refuses_backends_whose_backward_is_not(toys):
+    """The forward and the backward run one backend, so a call that needs reproducible gradients is refused
+    before its forward, and auto passes over backends that cannot give them."""
+    msda_core.register(_toy("steady", priority=2, scale=5.0, reproducible_on=("cpu",)))
     inp = tiny_inputs()
+    assert _ran(backend="fast", deterministic=True) == 2.0  # no gradient needed: any backend will do
     inp["value"].requires_grad_(True)
-    out = torch.ops.msda.deform_attn(**inp, backend="fast", deterministic=True)  # the forward is always fine
-    with pytest.raises(BackendUnavailableError, match="'fast' cannot run .*its backward is not deterministic on 'cpu'"):
-        torch.autograd.grad(out.sum(), inp["value"])
+    with pytest.raises(BackendUnavailableError, match="'fast' .*cannot run .*its backward is not deterministic on 'cpu'"):
+        torch.ops.msda.deform_attn(**inp, backend="fast", deterministic=True)
     torch.use_deterministic_algorithms(True)
     try:
-        out = torch.ops.msda.deform_attn(**inp)  # None follows torch: auto's backward skips to "steady"
+        out = torch.ops.msda.deform_attn(**inp)  # None follows torch: auto skips to "steady"
         (grad,) = torch.autograd.grad(out.sum(), inp["value"])
     finally:
         torch.use_deterministic_algorithms(False)
-    assert out.flatten()[0].item() == 2.0 and grad.flatten()[0].item() == 5.0
+    assert out.flatten()[0].item() == 5.0 and grad.flatten()[0].item() == 5.0
+
+
+def test_use_backend_scopes_belong_to_their_thread(toys):
+    """A scope entered in one thread does not change what another thread's calls ask for."""
+    import threading
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def scoped():
+        with msda_core.use_backend("manual"):
+            seen["inside"] = _ran()
+            entered.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=scoped)
+    worker.start()
+    assert entered.wait(5)
+    try:
+        seen["other thread"] = _ran()
+    finally:
+        release.set()
+        worker.join()
+    assert seen == {"inside": 3.0, "other thread": 2.0}
+
+
+def test_discovery_from_several_threads_at_once_sees_every_backend(monkeypatch):
+    """Threads that make their first calls together all see the whole registry, never a half-loaded one."""
+    import threading
+    import time
+
+    class SlowEntryPoint:
+        def __init__(self, name):
+            self.name = name
+
+        def load(self):
+            time.sleep(0.02)
+            return _toy(self.name)
+
+    names = [f"slow{i}" for i in range(5)]
+    monkeypatch.setattr(registry, "_backends", {})
+    monkeypatch.setattr(registry, "_load_errors", {})
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.setattr(registry, "_resolved", {})
+    monkeypatch.setattr(registry, "entry_points", lambda group: [SlowEntryPoint(n) for n in names])
+    start, seen = threading.Barrier(8), []
+
+    def first_call():
+        start.wait()
+        seen.append(sorted(msda_core.backends()))
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [names] * 8

@@ -103,7 +103,8 @@ def test_grad_accum_is_checked(inputs, spy_backend):
 
 def test_grad_output_shape_is_checked(inputs, spy_backend):
     bad_grad = torch.zeros(1, 2, 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"^grad_output: expected shape \(B, Q, M\*D\) = \(1, 2, 6\), got \(1, 2, 5\)"):
+    with pytest.raises(ValueError, match=r"^grad_output: expected shape \(B, Q, M\*D\) = \(1, 2, 6\) \(B, Q from sampling_locations, "
+                                         r"M, D from value\), got \(1, 2, 5\)"):
         torch.ops.msda.deform_attn_backward(bad_grad, *inputs.values(), backend="spy", grad_accum="auto",
                                             deterministic=None)
     assert spy_backend == []
@@ -144,68 +145,30 @@ def test_non_tensor_is_rejected_by_the_schema(inputs):
         torch.ops.msda.deform_attn(**inputs)
 
 
-def test_level_values_are_read_once_per_tensor_version(inputs, spy_backend, monkeypatch):
-    """Reading spatial_shapes on CUDA syncs the device: the same live tensor, unmodified, is read once."""
-    reads = []
-    check = msda_core.validation._check_level_values
-    monkeypatch.setattr(msda_core.validation, "_check_level_values", lambda *a: reads.append(1) or check(*a))
+def test_cpu_level_tables_are_checked_on_every_call(inputs, spy_backend):
+    """Reading a CPU table costs microseconds and no device sync, so every call reads it: an in-place edit that
+    makes it wrong is caught on the next call, inference tensors included."""
     torch.ops.msda.deform_attn(**inputs, backend="spy")
-    torch.ops.msda.deform_attn(**inputs, backend="spy")
-    assert len(reads) == 1
-    inputs["spatial_shapes"].add_(0)  # an in-place write bumps the version: read again
-    torch.ops.msda.deform_attn(**inputs, backend="spy")
-    assert len(reads) == 2
-    inputs["level_start_index"] = inputs["level_start_index"].clone()  # another starts tensor: read again
-    torch.ops.msda.deform_attn(**inputs, backend="spy")
-    assert len(reads) == 3
-    inputs["spatial_shapes"][1, 0] = 4  # an invalid in-place edit is caught
+    inputs["spatial_shapes"][1, 0] = 4
     with pytest.raises(ValueError, match="^spatial_shapes: expected sum"):
         torch.ops.msda.deform_attn(**inputs, backend="spy")
-
-
-def test_starts_derived_from_the_values_read_are_reused_until_the_shapes_change():
-    """With level_start_index=None the op takes the starts validation derived when it read spatial_shapes:
-    no device work per call for the same live, unmodified tensor."""
-    seen = []
-    msda_core.register(msda_core.Backend(
-        "starts_spy", forward=lambda v, s, starts, l, w: seen.append(starts) or v.new_zeros(l.shape[0], l.shape[1], 1),
-        backward=None, devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32})))
-    try:
-        inputs = tiny_inputs(torch.float32)
-        inputs["level_start_index"] = None
-        for _ in range(2):
-            torch.ops.msda.deform_attn(**inputs, backend="starts_spy")
-        assert seen[0] is seen[1] and seen[0].tolist() == [0, 24]
-        inputs["spatial_shapes"].add_(0)  # a new version: read and derived again
-        torch.ops.msda.deform_attn(**inputs, backend="starts_spy")
-        assert seen[2] is not seen[1] and seen[2].tolist() == [0, 24]
-        with torch.inference_mode():  # no version counter: derived on every call
-            inference = tiny_inputs(torch.float32)
-        inference["level_start_index"] = None
-        for _ in range(2):
-            torch.ops.msda.deform_attn(**inference, backend="starts_spy")
-        assert seen[3] is not seen[4] and seen[4].tolist() == [0, 24]
-    finally:
-        msda_core.unregister("starts_spy")
-
-
-def test_memo_entry_goes_with_the_tensor(inputs, spy_backend):
-    torch.ops.msda.deform_attn(**inputs, backend="spy")
-    key = id(inputs["spatial_shapes"])
-    assert key in msda_core.validation._checked_levels
-    del inputs["spatial_shapes"]
-    assert key not in msda_core.validation._checked_levels
-
-
-def test_inference_mode_tensors_are_read_every_call(spy_backend, monkeypatch):
-    """They have no version counter, so an in-place edit could not be seen: no memo for them."""
-    reads = []
-    check = msda_core.validation._check_level_values
-    monkeypatch.setattr(msda_core.validation, "_check_level_values", lambda *a: reads.append(1) or check(*a))
     with torch.inference_mode():
-        inputs = tiny_inputs()
+        inference = tiny_inputs()
+        inference["level_start_index"][1] = 23
+        with pytest.raises(ValueError, match="^level_start_index: expected the exclusive cumulative sum"):
+            torch.ops.msda.deform_attn(**inference, backend="spy")
+    assert spy_backend == ["forward"]
+
+
+def test_shape_errors_name_where_each_size_came_from(inputs, spy_backend):
+    """One level in spatial_shapes against locations with two: the message says that L came from spatial_shapes."""
+    inputs["spatial_shapes"] = inputs["spatial_shapes"][:1]
+    inputs["level_start_index"] = None
+    with pytest.raises(ValueError, match=r"^sampling_locations: expected shape \(B, Q, M, L, P, 2\) = "
+                                         r"\(1, 2, 2, 1, 2, 2\) \(B, M from value.shape, L = spatial_shapes.shape\[0\]"):
         torch.ops.msda.deform_attn(**inputs, backend="spy")
-        inputs["spatial_shapes"][1, 0] = 4
-        with pytest.raises(ValueError, match="^spatial_shapes: expected sum"):
-            torch.ops.msda.deform_attn(**inputs, backend="spy")
-    assert len(reads) == 2
+
+
+def test_an_extra_positional_im2col_step_points_to_the_drop_in(inputs):
+    with pytest.raises(TypeError, match="no im2col_step .* msda_core.compat.MSDeformAttnFunction"):
+        msda_core.deform_attn(*inputs.values(), 64)

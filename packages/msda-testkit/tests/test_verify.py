@@ -17,7 +17,7 @@ def test_verify_passes_a_correct_backend_and_fails_a_wrong_one():
                               weights)
 
     msda_core.register(msda_core.Backend("slipped", forgets_half_pixel, gather.backward, gather.devices, gather.dtypes,
-                                         deterministic_on=gather.deterministic_on))
+                                         reproducible_on=gather.reproducible_on))
     try:
         rows = _rows(verify("slipped", "cpu", replays=2))
     finally:

@@ -36,7 +36,7 @@ def test_many_rows_with_wide_heads(head_dim, dtype):
     case = kit.Case("many_rows", batch=2, queries=8192, heads=8, head_dim=head_dim, levels=((6, 4), (3, 2)),
                     loc_range=(-0.5, 1.5))
     rows = case.batch * case.queries * case.heads
-    assert kernels.launch_config(head_dim, backward=False, rows=rows) == (
+    assert rows >= kernels.FEW_ROWS and kernels.launch_config(head_dim, backward=False) == (
         {"BLOCK_R": 32, "BLOCK_P": 1, "BLOCK_D": 64, "HEAD_MAJOR": True}, 8)
     assert_triton_parity(kit.make_inputs(case, dtype, device="cuda"), "auto")
 
@@ -104,7 +104,7 @@ def test_forward_offsets_past_2_pow_31(dtype, Q, blocks):
     B, H, W, M, D, P = 2, 2048, 2100, 8, 32, 4
     assert B * H * W * M * D > 2 ** 31
     for rows in (B * Q * M, Q * M):  # the full batch and batch 1 alone
-        chosen = kernels.launch_config(D, backward=False, value_fp32=dtype == F32, rows=rows)[0]
+        chosen = kernels.launch_config(D, backward=False, value_fp32=dtype == F32, few_rows=rows < kernels.FEW_ROWS)[0]
         assert (chosen["BLOCK_R"], chosen["BLOCK_P"], chosen["HEAD_MAJOR"]) == blocks
     g = torch.Generator(device="cuda").manual_seed(0)
     value = torch.randn(B, H * W, M, D, device="cuda", generator=g, dtype=dtype)

@@ -1,5 +1,6 @@
-"""backend._launch and backend._replayed: a launch is repeated through Triton's compiled kernel only for tensors
-that Triton would specialize alike and that fix the same integer arguments (the same shapes).
+"""backend._launch_now and backend._replay: an eager launch is repeated through Triton's compiled kernel only for
+tensors that Triton would specialize alike and that fix the same integer arguments (the same shapes), and the
+replay, the one use of a private Triton API, turns itself off when that API is not what it expects.
 
 Stand-ins replace the JIT function and its CompiledKernel, so this runs without a GPU or the interpreter;
 the GPU suite runs the real kernels through the same path (test_gpu.py also mixes aligned and misaligned
@@ -34,7 +35,7 @@ class _Kernel:
         self.returns = returns
 
     def __getitem__(self, grid):
-        def run(*args, num_warps, **constexprs):
+        def run(*args, num_warps, enable_fp_fusion, **constexprs):
             self.launches.append(("jit", grid, args, constexprs, num_warps))
             return self.returns(self.launches)
         return run
@@ -51,15 +52,21 @@ def _at(residue: int, dtype=torch.float32) -> torch.Tensor:
     return buffer[start:start + 64 * dtype.itemsize].view(dtype)
 
 
-def _first_launch(kernel, x, **options):
-    backend._launch(kernel, (4,), (x,), (x.numel(),), {"BLOCK": 16}, 2, **options)
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(backend, "_plans", {})
+    monkeypatch.setattr(backend, "REPLAY_LAUNCHES", True)
+
+
+def _first_launch(kernel, x, remember=True):
+    backend._launch_now(kernel, (4,), (x,), (x.numel(),), {"BLOCK": 16}, 2, remember)
 
 
 def test_a_launch_is_replayed_through_the_compiled_kernel_with_every_parameter_in_order():
     kernel = _Kernel()
     _first_launch(kernel, _at(0))
     other_x = _at(16)  # Triton specializes on 16-byte alignment, no finer
-    assert backend._replayed(kernel, (other_x,))
+    assert backend._replay(kernel, (other_x,))
     assert _routes(kernel) == ["jit", "compiled"]
     assert kernel.launches[1] == ("compiled", (4, 1, 1), (other_x, 64, 16))
 
@@ -73,14 +80,14 @@ def test_a_launch_is_replayed_through_the_compiled_kernel_with_every_parameter_i
 def test_a_tensor_triton_or_the_launch_could_treat_differently_is_not_replayed(other):
     kernel = _Kernel()
     _first_launch(kernel, _at(0))
-    assert not backend._replayed(kernel, (other(),))
+    assert not backend._replay(kernel, (other(),))
     assert _routes(kernel) == ["jit"]
 
 
 def test_another_kernel_is_not_replayed_by_this_ones_plan():
     kernel, other_kernel, x = _Kernel(), _Kernel(), _at(0)
     _first_launch(kernel, x)
-    assert not backend._replayed(other_kernel, (x,))
+    assert not backend._replay(other_kernel, (x,))
 
 
 def test_no_plan_is_left_without_a_compiled_kernel_or_when_not_to_be_remembered():
@@ -88,5 +95,38 @@ def test_no_plan_is_left_without_a_compiled_kernel_or_when_not_to_be_remembered(
     interpreted, tuned, x = _Kernel(returns=lambda launches: None), _Kernel(), _at(0)
     _first_launch(interpreted, x)
     _first_launch(tuned, x, remember=False)
-    assert not backend._replayed(interpreted, (x,)) and not backend._replayed(tuned, (x,))
+    assert not backend._replay(interpreted, (x,)) and not backend._replay(tuned, (x,))
     assert _routes(interpreted) == _routes(tuned) == ["jit"]
+
+
+def test_a_compiled_kernel_without_the_expected_launcher_leaves_no_plan_and_stops_replays():
+    class NoLauncher(_Compiled):
+        def __getitem__(self, grid):
+            raise AttributeError("no launcher here")
+
+    kernel, x = _Kernel(returns=NoLauncher), _at(0)
+    _first_launch(kernel, x)
+    assert not backend.REPLAY_LAUNCHES and backend._plans == {}
+    assert not backend._replay(kernel, (x,))
+
+
+def test_a_launcher_whose_calling_convention_changed_falls_back_to_the_jit():
+    class ChangedLauncher(_Compiled):
+        def __getitem__(self, grid):
+            def run(*args):
+                raise TypeError("run() takes 3 positional arguments")
+            return run
+
+    kernel, x = _Kernel(returns=ChangedLauncher), _at(0)
+    _first_launch(kernel, x)
+    assert not backend._replay(kernel, (x,))  # the caller then launches through the JIT
+    assert not backend.REPLAY_LAUNCHES and backend._plans == {}
+    _first_launch(kernel, x)
+    assert _routes(kernel) == ["jit", "jit"] and backend._plans == {}
+
+
+def test_replays_switched_off_launch_through_the_jit_every_time():
+    kernel, x = _Kernel(), _at(0)
+    backend.REPLAY_LAUNCHES = False
+    _first_launch(kernel, x)
+    assert not backend._replay(kernel, (x,)) and backend._plans == {}

@@ -9,9 +9,11 @@ from .registry import (
     Backend,
     BackendUnavailableError,
     Inputs,
+    Request,
     backends,
     load_errors,
     register,
+    request,
     requested,
     resolve,
     unregister,
@@ -21,12 +23,13 @@ from .registry import (
 __version__ = "0.1.0"
 
 
-def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum: str = "auto") -> str:
+def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum: str = "auto",
+                    deterministic: bool = False) -> str:
     """The name of the backend a call with these tensors would run (raises if none can)."""
-    return resolve(requested(backend), Inputs.of(value, sampling_locations, grad_accum)).name
+    return resolve(request(backend), Inputs.of(value, sampling_locations, grad_accum, deterministic)).name
 
 
 __all__ = [
-    "Backend", "BackendUnavailableError", "Inputs", "backends", "deform_attn", "load_errors", "output_shape",
-    "register", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
+    "Backend", "BackendUnavailableError", "Inputs", "Request", "backends", "deform_attn", "load_errors",
+    "output_shape", "register", "request", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
 ]

@@ -1,8 +1,16 @@
-"""The torch.library registration of ``msda::deform_attn`` and its backward op.
+"""The torch.library registration of ``msda::deform_attn`` and ``msda::deform_attn_backward``.
 
-The forward op and a separate backward op are both opaque to autograd and to tracing; autograd is
-registered on the forward and calls the backward op, so each backend supplies its own backward kernel and
-nothing that reads the values of ``spatial_shapes`` runs outside an op (fake tensors have none).
+Both public ops are CompositeImplicitAutograd: their kernel, the router, validates the inputs, chooses a backend
+from metadata alone, and runs it. Gradients come from :class:`DeformAttn`, an autograd.Function whose backward
+runs the same backend's backward. A backend marked ``traceable`` (made of torch ops and ``triton_op``s) is
+called as it is; any other runs inside the opaque private ops ``msda::_opaque_forward`` and
+``msda::_opaque_backward``, which carry its name and have fake kernels.
+
+Why this structure: ``torch.export`` keeps the public op as one node (what the ONNX translation table keys on);
+``run_decompositions`` and AOTInductor replace it with the chosen backend's ops, so Triton kernels compile into
+the package and the reference path lowers to aten ops; ``torch.compile`` sees through a traceable backend and
+inlines its kernels; the router reads no tensor values, so it runs on fake tensors; and no private dispatch API
+is needed (an autograd.Function below a composite op is what torch's own Python ops use).
 """
 
 from __future__ import annotations
@@ -10,16 +18,16 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .validation import check_grad_accum, check_inputs
+from .validation import check_grad_accum, check_grad_output, check_inputs
 
-# The schemas, also read by msda_testkit.overhead to build a kernel-less op pair of the same shape.
 SCHEMA = ("(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
           "Tensor attention_weights, *, str backend='auto', str grad_accum='auto', bool? deterministic=None) -> Tensor")
 BACKWARD_SCHEMA = ("(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor? level_start_index, "
-                   "Tensor sampling_locations, Tensor attention_weights, *, str backend, str grad_accum, "
-                   "bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
-torch.library.define("msda::deform_attn", SCHEMA)
-torch.library.define("msda::deform_attn_backward", BACKWARD_SCHEMA)
+                   "Tensor sampling_locations, Tensor attention_weights, *, str backend='auto', "
+                   "str grad_accum='auto', bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
+_LIBRARY = torch.library.Library("msda", "FRAGMENT")  # held for the process's life: the registrations live with it
+_LIBRARY.define("deform_attn" + SCHEMA)
+_LIBRARY.define("deform_attn_backward" + BACKWARD_SCHEMA)
 
 
 def output_shape(value, sampling_locations) -> tuple:
@@ -28,149 +36,155 @@ def output_shape(value, sampling_locations) -> tuple:
     return (B, Q, value.shape[2] * value.shape[3])
 
 
-def _is_empty(value, sampling_locations) -> bool:
+@torch.library.custom_op("msda::_opaque_forward", mutates_args=())
+def _opaque_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+                    sampling_locations: torch.Tensor, attention_weights: torch.Tensor, backend: str) -> torch.Tensor:
+    """A backend that is not traceable, run by name: tracing records this call, not the backend's insides."""
+    return registry.backends()[backend].forward(value, spatial_shapes, level_start_index, sampling_locations,
+                                                attention_weights)
+
+
+@_opaque_forward.register_fake
+def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend):
+    return value.new_empty(output_shape(value, sampling_locations))
+
+
+@torch.library.custom_op("msda::_opaque_backward", mutates_args=())
+def _opaque_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
+                     level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
+                     attention_weights: torch.Tensor, backend: str, grad_accum: str,
+                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return registry.backends()[backend].backward(grad_output, value, spatial_shapes, level_start_index,
+                                                 sampling_locations, attention_weights, grad_accum, deterministic)
+
+
+@_opaque_backward.register_fake
+def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+      grad_accum, deterministic):
+    return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
+
+
+class _Run:
+    """One call's backend and options: runs its forward and backward, directly or through the opaque ops."""
+
+    __slots__ = ("backend", "grad_accum", "deterministic")
+
+    def __init__(self, backend: registry.Backend, grad_accum: str, deterministic: bool):
+        self.backend, self.grad_accum, self.deterministic = backend, grad_accum, deterministic
+
+    def forward(self, *inputs):
+        if self.backend.traceable:
+            return self.backend.forward(*inputs)
+        return _opaque_forward(*inputs, self.backend.name)
+
+    def backward(self, grad_output, *inputs):
+        if self.backend.traceable:
+            return self.backend.backward(grad_output, *inputs, self.grad_accum, self.deterministic)
+        return _opaque_backward(grad_output, *inputs, self.backend.name, self.grad_accum, self.deterministic)
+
+
+class DeformAttn(torch.autograd.Function):
+    """The op's autograd: the backend's backward gives all three gradients. Differentiating them again raises."""
+
+    @staticmethod
+    def forward(ctx, run, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        ctx.run = run
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return run.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if torch.is_grad_enabled():  # create_graph=True: first-order gradients that refuse a second derivative
+            grads = FirstOrderOnly.apply(ctx.run, grad_output.contiguous(), *ctx.saved_tensors)
+        else:
+            grads = ctx.run.backward(grad_output.contiguous(), *ctx.saved_tensors)
+        grad_value, grad_locations, grad_weights = grads
+        return None, grad_value, None, None, grad_locations, grad_weights
+
+
+class FirstOrderOnly(torch.autograd.Function):
+    """The backward's gradients inside a graph (create_graph=True); differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, run, grad_output, *inputs):
+        return run.backward(grad_output, *inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "msda.deform_attn: double backward (differentiating the gradients again) is not supported by any backend")
+
+
+def _deterministic(deterministic) -> bool:
+    """None follows torch.use_deterministic_algorithms, as torch's own ops do."""
+    return torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
+
+
+def _level_start_index(spatial_shapes, level_start_index):
+    if level_start_index is not None:
+        return level_start_index
+    sizes = spatial_shapes.to(torch.int64).prod(1)  # on the device: no host sync, also inside graph capture
+    return sizes.cumsum(0) - sizes
+
+
+def _no_terms(value, sampling_locations) -> bool:
     """B, Q, M, D or P of zero: the sum has no terms, so the result is zeros and no kernel runs."""
     return value.numel() == 0 or sampling_locations.numel() == 0
 
 
-def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum,
-             deterministic=False):
-    """Validate, pick the backend, and derive level_start_index; shared by the forward and backward ops."""
-    check_grad_accum(grad_accum)
-    level_start_index = check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
-    chosen = registry.resolve(registry.requested(backend), inputs)
-    if level_start_index is None:  # on the device: no host sync, so it also works inside graph capture
-        sizes = spatial_shapes.to(torch.int64).prod(1)
-        level_start_index = sizes.cumsum(0) - sizes
-    return chosen, level_start_index
+def _zeros_of(shape, *tensors):
+    """Zeros of ``shape`` that autograd connects to ``tensors`` (so their gradients are zeros, not None)."""
+    anchor = sum(t.reshape(-1)[:0].sum() for t in tensors)
+    return tensors[0].new_zeros(shape) + anchor.to(tensors[0].dtype)
 
 
-@torch.library.impl("msda::deform_attn", "default")
 def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
                  backend="auto", grad_accum="auto", deterministic=None):
-    # the forward of every backend is deterministic; the flag matters to the backward only
-    chosen, level_start_index = _prepare(value, spatial_shapes, level_start_index, sampling_locations,
-                                         attention_weights, backend, grad_accum)
-    if _is_empty(value, sampling_locations):
-        return value.new_zeros(output_shape(value, sampling_locations))
-    return chosen.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-
-
-@torch.library.register_fake("msda::deform_attn")
-def _deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                      backend="auto", grad_accum="auto", deterministic=None):
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return value.new_empty(output_shape(value, sampling_locations))
+    differentiable = (value, sampling_locations, attention_weights)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    deterministic = needs_grad and _deterministic(deterministic)  # only the backward can be nondeterministic
+    inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
+    chosen = registry.resolve(registry.request(backend), inputs)
+    if _no_terms(value, sampling_locations):
+        return _zeros_of(output_shape(value, sampling_locations), *differentiable)
+    args = (value, spatial_shapes, _level_start_index(spatial_shapes, level_start_index), sampling_locations,
+            attention_weights)
+    run = _Run(chosen, grad_accum, deterministic)
+    if needs_grad:
+        return DeformAttn.apply(run, *args)
+    return run.forward(*args)
 
 
-@torch.library.impl("msda::deform_attn_backward", "default")
 def _deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                          attention_weights, *, backend, grad_accum, deterministic=None):
-    if deterministic is None:  # as torch's own ops: follow torch.use_deterministic_algorithms
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    chosen, level_start_index = _prepare(value, spatial_shapes, level_start_index, sampling_locations,
-                                         attention_weights, backend, grad_accum, deterministic)
-    _check_grad_output(grad_output, value, sampling_locations)
-    if _is_empty(value, sampling_locations):
-        return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
-    return chosen.backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                           attention_weights, grad_accum, deterministic)
-
-
-@torch.library.register_fake("msda::deform_attn_backward")
-def _deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, *, backend, grad_accum, deterministic=None):
+                          attention_weights, *, backend="auto", grad_accum="auto", deterministic=None):
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    _check_grad_output(grad_output, value, sampling_locations)
-    return (value.new_empty(value.shape), sampling_locations.new_empty(sampling_locations.shape),
-            attention_weights.new_empty(attention_weights.shape))
+    check_grad_output(grad_output, value, sampling_locations)
+    deterministic = _deterministic(deterministic)
+    chosen = registry.resolve(registry.request(backend),
+                              registry.Inputs.of(value, sampling_locations, grad_accum, deterministic))
+    if _no_terms(value, sampling_locations):
+        return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
+    return _Run(chosen, grad_accum, deterministic).backward(
+        grad_output.contiguous(), value, spatial_shapes, _level_start_index(spatial_shapes, level_start_index),
+        sampling_locations, attention_weights)
 
 
-def _check_grad_output(grad_output, value, sampling_locations):
-    expected = output_shape(value, sampling_locations)
-    if tuple(grad_output.shape) != expected:
-        raise ValueError(f"grad_output: expected shape (B, Q, M*D) = {expected}, got {tuple(grad_output.shape)}")
-    if grad_output.device != value.device:
-        raise ValueError(f"grad_output: expected device {value.device} (the device of value), got {grad_output.device}")
-    if not grad_output.is_floating_point():
-        raise TypeError(f"grad_output: expected a floating dtype, got {grad_output.dtype}")
+_LIBRARY.impl("deform_attn", _deform_attn, "CompositeImplicitAutograd")
+_LIBRARY.impl("deform_attn_backward", _deform_attn_backward, "CompositeImplicitAutograd")
 
 
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_LIBRARY = torch.library.Library("msda", "FRAGMENT")  # holds the autograd registrations for the process's life
-
-
-def _below_autograd(op, keyset, *args, **options):
-    with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **options)
-
-
-def register_autograd(lib: torch.library.Library, name: str) -> None:
-    """Register the autograd of ``lib``'s op pair ``name`` / ``name``_backward, defined with SCHEMA and
-    BACKWARD_SCHEMA: the forward's gradients come from the backward op; differentiating the backward op raises.
-
-    torch.library.register_autograd generates the same structure: on the Autograd key, an autograd.Function
-    whose forward redispatches below autograd (so fake tensors and tracing see the op, not its kernels). Its
-    generated kernel also re-adds the schema's defaults, checks the op's tags and wraps its arguments on every
-    call: with kernels that only allocate, its forward took 24 us on the CPU dev machine against 11 us with these,
-    which do only what the pair needs (BENCHMARKS.md). msda_testkit.overhead builds its kernel-less pair with this
-    too."""
-    ops = getattr(torch.ops, lib.ns)
-    forward_op, backward_op = getattr(ops, name).default, getattr(ops, name + "_backward").default
-
-    def forward(ctx, keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                backend, grad_accum, deterministic):
-        # Fix the request now, so a use_backend() scope left before .backward() still applies to it.
-        ctx.options = {"backend": registry.requested(backend), "grad_accum": grad_accum, "deterministic": deterministic}
-        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, backend=backend, grad_accum=grad_accum, deterministic=deterministic)
-
-    def backward(ctx, grad_output):
-        grad_value, grad_locations, grad_weights = backward_op(grad_output, *ctx.saved_tensors, **ctx.options)
-        return None, grad_value, None, None, grad_locations, grad_weights, None, None, None
-
-    def backward_op_forward(ctx, keyset, options, *tensors):
-        return _below_autograd(backward_op, keyset, *tensors, **options)
-
-    def double_backward(ctx, *grads):
-        raise NotImplementedError(
-            f"{lib.ns}.{name}: double backward (differentiating the gradients again) is not supported by any backend")
-
-    # Named after the ops, so a grad_fn reads msda_deform_attnBackward.
-    function = type(f"{lib.ns}_{name}", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    backward_function = type(f"{lib.ns}_{name}_backward", (torch.autograd.Function,),
-                             {"forward": staticmethod(backward_op_forward), "backward": staticmethod(double_backward)})
-
-    def forward_autograd(keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                         backend="auto", grad_accum="auto", deterministic=None):
-        if torch.is_grad_enabled() and (value.requires_grad or sampling_locations.requires_grad
-                                        or attention_weights.requires_grad):
-            return function.apply(keyset, value, spatial_shapes, level_start_index, sampling_locations,
-                                  attention_weights, backend, grad_accum, deterministic)
-        return _below_autograd(forward_op, keyset, value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, backend=backend, grad_accum=grad_accum, deterministic=deterministic)
-
-    def backward_autograd(keyset, *tensors, **options):
-        """Runs the backward; a graph through it (create_graph=True) raises only if it is differentiated again."""
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            return backward_function.apply(keyset, options, *tensors)
-        return _below_autograd(backward_op, keyset, *tensors, **options)
-
-    lib.impl(name, forward_autograd, "Autograd", with_keyset=True)
-    lib.impl(name + "_backward", backward_autograd, "Autograd", with_keyset=True)
-
-
-register_autograd(_LIBRARY, "deform_attn")
-
-
-def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
+def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *extra,
                 backend: str = "auto", grad_accum: str = "auto", deterministic: bool | None = None) -> torch.Tensor:
     """Multi-scale deformable attention; returns (B, Q, M*D) in value's dtype. See the README for the math."""
+    if extra:
+        raise TypeError(
+            f"deform_attn takes 5 positional arguments, got {5 + len(extra)}: there is no im2col_step (it only "
+            "chunked the batch in the CUDA extensions). For the MSDeformAttnFunction.apply(value, spatial_shapes, "
+            "level_start_index, sampling_locations, attention_weights, im2col_step) signature use "
+            "msda_core.compat.MSDeformAttnFunction")
     return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                                       attention_weights, backend=backend, grad_accum=grad_accum,
                                       deterministic=deterministic)

@@ -4,15 +4,17 @@ Backends live in other packages and are found through the entry-point group ``ms
 package never imports them by name. Each entry point names a :class:`Backend` object.
 
 Which backend a call asks for, first match wins: the op's ``backend=`` argument when it is not
-``"auto"``, the innermost :func:`use_backend` scope, the ``MSDA_BACKEND`` environment variable, else
-``"auto"``. ``"auto"`` takes the highest-priority backend that supports the inputs and lists the current
-device type in its ``auto_devices``.
+``"auto"``, the innermost :func:`use_backend` scope of the calling thread or task, the ``MSDA_BACKEND``
+environment variable, else ``"auto"``. ``"auto"`` takes the highest-priority backend that supports the
+inputs and lists their device type in its ``auto_devices``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
+import threading
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, NamedTuple
@@ -21,11 +23,14 @@ import torch
 
 ENTRY_POINT_GROUP = "msda.backends"
 ENV_VAR = "MSDA_BACKEND"
+# The first-party backends and the package that provides each, for the error when one is not installed.
+FIRST_PARTY = {"naive": "msda-reference", "grid_sample": "msda-reference", "gather": "msda-reference",
+               "triton": "msda-triton"}
 
 
 class Inputs(NamedTuple):
-    """What selection may look at: metadata only, never tensor values (selection runs while tracing). A named
-    tuple, as it is made and hashed on every call: a frozen dataclass took twice the host time."""
+    """What selection may look at: metadata only, never tensor values, since selection also runs while
+    torch.compile and torch.export trace the op. A named tuple: it is made and hashed on every call."""
 
     device: torch.device
     value_dtype: torch.dtype
@@ -49,7 +54,13 @@ class Inputs(NamedTuple):
 
 @dataclass(frozen=True)
 class Backend:
-    """A named implementation of the op's forward and backward, with what it supports."""
+    """A named implementation of the op's forward and backward, with what it supports.
+
+    ``traceable``: forward and backward are made of torch operations and ``torch.library.triton_op``s only
+    and read no tensor's values on the host, so the op calls them directly and torch.compile, torch.export
+    and AOTInductor see through them. Otherwise the op runs them inside its opaque private ops
+    (``msda::_opaque_forward`` / ``_opaque_backward``), which tracing records as calls.
+    """
 
     name: str
     forward: Callable  # (value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> out
@@ -58,9 +69,10 @@ class Backend:
     dtypes: frozenset  # dtypes of value it accepts
     auto_devices: frozenset = frozenset()  # device types on which "auto" may choose it
     priority: int = 0  # "auto" prefers higher
-    deterministic_on: frozenset = frozenset()  # device types where its backward replays bit for bit
-    accumulation_switch: bool = False  # honors grad_accum (it scatters grad_value with atomic adds)
-    deterministic_mode: bool = False  # makes its backward bitwise reproducible on any device when asked
+    traceable: bool = False
+    reproducible_on: frozenset = frozenset()  # device types where its backward gives the same bits every run
+    deterministic_on_request: bool = False  # deterministic=True makes its backward reproducible on any device
+    honors_grad_accum: bool = False  # it scatters grad_value with atomic adds, in the dtype grad_accum picks
     limits: Callable[[Inputs], list] = field(default=lambda inputs: [])  # further reasons it can't run
 
     def not_supported_reasons(self, inputs: Inputs) -> list:
@@ -69,7 +81,8 @@ class Backend:
             reasons.append(f"device type {inputs.device.type!r} not in {sorted(self.devices)}")
         if inputs.value_dtype not in self.dtypes:
             reasons.append(f"dtype {inputs.value_dtype} not supported")
-        if inputs.deterministic and inputs.device.type not in self.deterministic_on and not self.deterministic_mode:
+        if (inputs.deterministic and inputs.device.type not in self.reproducible_on
+                and not self.deterministic_on_request):
             reasons.append(f"its backward is not deterministic on {inputs.device.type!r}")
         return reasons + list(self.limits(inputs))
 
@@ -78,39 +91,54 @@ class BackendUnavailableError(RuntimeError):
     """No backend can run the call; the message lists every known backend and why it was not used."""
 
 
+class Request(NamedTuple):
+    """The backend a call asks for, and where that came from (named in errors)."""
+
+    name: str
+    origin: str
+
+
 _backends: dict = {}
 _load_errors: dict = {}
 _discovered = False
-_scopes: list = []  # stack of names set by use_backend
-_resolved: dict = {}  # (request, Inputs) -> Backend: selection runs twice per training step; emptied on any change
+_lock = threading.RLock()  # discovery and changes; lookups of a filled registry take no lock
+_scope: contextvars.ContextVar = contextvars.ContextVar("msda_use_backend", default=())  # names, innermost last
+_resolved: dict = {}  # (request name, Inputs) -> Backend; emptied on any change of the registry
 
 
 def register(backend: Backend) -> None:
     """Add or replace a backend (entry points call this implicitly; tests and users may call it)."""
-    _discover()
-    _backends[backend.name] = backend
-    _load_errors.pop(backend.name, None)
-    _resolved.clear()
+    with _lock:
+        _discover()
+        _backends[backend.name] = backend
+        _load_errors.pop(backend.name, None)
+        _resolved.clear()
 
 
 def unregister(name: str) -> None:
-    _discover()
-    _backends.pop(name, None)
-    _resolved.clear()
+    with _lock:
+        _discover()
+        _backends.pop(name, None)
+        _resolved.clear()
 
 
 def _discover() -> None:
+    """Load the entry points once. The flag is set only when every backend is in: a thread that arrives while
+    another is loading waits for it rather than seeing a half-filled registry."""
     global _discovered
     if _discovered:
         return
-    _discovered = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            backend = ep.load()
-        except Exception as err:  # a broken backend must not break the others; shown when asked by name
-            _load_errors[ep.name] = err
-            continue
-        _backends[backend.name] = backend
+    with _lock:
+        if _discovered:
+            return
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                backend = ep.load()
+            except Exception as err:  # a broken backend must not break the others; shown when asked by name
+                _load_errors[ep.name] = err
+                continue
+            _backends[backend.name] = backend
+        _discovered = True
 
 
 def backends() -> dict:
@@ -127,41 +155,58 @@ def load_errors() -> dict:
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Within the block, calls that pass backend="auto" ask for ``name`` instead."""
-    _scopes.append(name)
+    """Within the block, calls that pass backend="auto" ask for ``name`` instead. The scope belongs to the
+    calling thread (or asyncio task): other threads keep their own."""
+    token = _scope.set(_scope.get() + (name,))
     try:
         yield
     finally:
-        _scopes.pop()
+        _scope.reset(token)
+
+
+def request(backend: str = "auto") -> Request:
+    """What a call asks for, after the scope and the environment variable are applied, and from where."""
+    if backend != "auto":
+        return Request(backend, "the backend= argument")
+    scope = _scope.get()
+    if scope:
+        return Request(scope[-1], "a use_backend() scope")
+    from_env = os.environ.get(ENV_VAR, "auto") or "auto"
+    return Request(from_env, f"the {ENV_VAR} environment variable") if from_env != "auto" else Request("auto", "")
 
 
 def requested(backend: str = "auto") -> str:
     """The backend name a call asks for, after the scope and the environment variable are applied."""
-    if backend != "auto":
-        return backend
-    if _scopes:
-        return _scopes[-1]
-    return os.environ.get(ENV_VAR, "auto") or "auto"
+    return request(backend).name
 
 
 def _candidates_report(rows: list) -> str:
     return "\n".join(f"  {name}: {reason}" for name, reason in rows)
 
 
-def resolve(request: str, inputs: Inputs) -> Backend:
-    """The backend that runs ``inputs`` for ``request`` (a name or "auto"), or BackendUnavailableError."""
-    key = (request, inputs)
-    if key not in _resolved:
-        if len(_resolved) >= 4096:  # shapes vary with image size: bound the memo, don't grow forever
-            _resolved.clear()
-        _resolved[key] = _select(request, inputs)
-    return _resolved[key]
+def resolve(wanted: Request | str, inputs: Inputs) -> Backend:
+    """The backend that runs ``inputs`` for ``wanted`` (a Request, a name or "auto"), or
+    BackendUnavailableError."""
+    if isinstance(wanted, str):
+        wanted = request(wanted)
+    key = (wanted.name, inputs)
+    try:
+        chosen = _resolved.get(key)
+    except TypeError:  # symbolic sizes (tracing with dynamic shapes) are unhashable: select without the memo
+        return _select(wanted, inputs)
+    if chosen is None:
+        chosen = _select(wanted, inputs)
+        with _lock:
+            if len(_resolved) >= 4096:  # shapes vary with image size: bound the memo, don't grow forever
+                _resolved.clear()
+            _resolved[key] = chosen
+    return chosen
 
 
-def _select(request: str, inputs: Inputs) -> Backend:
+def _select(wanted: Request, inputs: Inputs) -> Backend:
     _discover()
     rows = []
-    if request == "auto":
+    if wanted.name == "auto":
         ranked = sorted(_backends.values(), key=lambda b: -b.priority)
         for b in ranked:
             reasons = b.not_supported_reasons(inputs)
@@ -175,25 +220,31 @@ def _select(request: str, inputs: Inputs) -> Backend:
             f"backend: no backend supports these inputs ({_describe(inputs)}); candidates:\n"
             + (_candidates_report(rows) or "  (none installed: install msda-reference)")
         )
-    if request in _backends:
-        b = _backends[request]
+    origin = f" (asked for by {wanted.origin})"
+    if wanted.name in _backends:
+        b = _backends[wanted.name]
         reasons = b.not_supported_reasons(inputs)
         if not reasons:
             return b
         others = [(n, "; ".join(o.not_supported_reasons(inputs)) or "supports these inputs")
-                  for n, o in _backends.items() if n != request]
+                  for n, o in _backends.items() if n != wanted.name]
         raise BackendUnavailableError(
-            f"backend: {request!r} cannot run these inputs ({_describe(inputs)}): {'; '.join(reasons)}\n"
+            f"backend: {wanted.name!r}{origin} cannot run these inputs ({_describe(inputs)}): {'; '.join(reasons)}\n"
             f"other backends:\n{_candidates_report(others + _error_rows())}"
         )
-    if request in _load_errors:
+    if wanted.name in _load_errors:
         raise BackendUnavailableError(
-            f"backend: {request!r} failed to import: {_load_errors[request]!r}"
-        ) from _load_errors[request]
+            f"backend: {wanted.name!r}{origin} failed to import: {_load_errors[wanted.name]!r}"
+        ) from _load_errors[wanted.name]
+    if wanted.name in FIRST_PARTY:
+        package = FIRST_PARTY[wanted.name]
+        raise BackendUnavailableError(
+            f"backend: {wanted.name!r}{origin} is provided by the package {package}, which is not installed "
+            f"(pip install ./packages/{package})")
     known = [(n, "; ".join(b.not_supported_reasons(inputs)) or "supports these inputs") for n, b in _backends.items()]
     raise BackendUnavailableError(
-        f"backend: expected 'auto' or one of {sorted(set(_backends) | set(_load_errors))}, got {request!r}\n"
-        f"known backends:\n{_candidates_report(known + _error_rows())}"
+        f"backend: expected 'auto' or one of {sorted(set(_backends) | set(_load_errors))}, got {wanted.name!r}"
+        f"{origin}\nknown backends:\n{_candidates_report(known + _error_rows())}"
     )
 
 

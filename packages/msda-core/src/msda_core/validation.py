@@ -1,18 +1,16 @@
 """Input validation for msda.deform_attn: the one place every check lives.
 
-Checks run before any backend touches memory. Shape, dtype and device checks need only metadata, so
-they also run inside the fake kernels; checks of the *values* of ``spatial_shapes`` and
-``level_start_index`` need real tensors and are skipped when tracing with fake or meta tensors, and while
-a CUDA graph is being captured (reading values would synchronize, which capture forbids; the eager calls
-that must precede a capture have run them).
+Checks run before any backend touches memory. Shape, dtype and device checks need only metadata, so they run
+on every call, fake tensors included. The *values* of ``spatial_shapes`` and ``level_start_index`` are checked
+only where reading them is free: plain tensors in CPU memory, outside torch.compile and torch.export. A CUDA
+level table is never read (that would synchronize the host with the device on every call); the Triton kernels
+instead mask every read to value's own rows, so a wrong table there gives a documented result, never an
+out-of-bounds read (README, "Level tables").
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -20,8 +18,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 GRAD_ACCUM_MODES = ("auto", "native", "fp32")
 
 
-def _shape_error(arg: str, expected: str, actual: torch.Tensor) -> ValueError:
-    return ValueError(f"{arg}: expected shape {expected}, got {tuple(actual.shape)}")
+def _shape_error(arg: str, expected: str, actual: torch.Tensor, origin: str = "") -> ValueError:
+    return ValueError(f"{arg}: expected shape {expected}{origin}, got {tuple(actual.shape)}")
 
 
 def _dims(names: str, sizes: tuple) -> str:
@@ -29,19 +27,15 @@ def _dims(names: str, sizes: tuple) -> str:
     return f"({names}) = {tuple(sizes)}"
 
 
-def _can_read_values(index_tensors) -> bool:
-    """Real tensors, and no CUDA graph capture in progress (all tensors are on one device by then)."""
-    for t in index_tensors:
-        if t.is_meta or isinstance(t, FakeTensor):
-            return False
-    return not (index_tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())
+def _values_readable(*tensors) -> bool:
+    """Plain CPU tensors outside tracing: reading them costs a few microseconds and no device sync."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors if t is not None)
 
 
-def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Raise ValueError/TypeError naming the first malformed argument. When all is well, return the
-    level_start_index to run with: the one passed, else the int64 one derived when this version of
-    spatial_shapes was read, else None where it is not known (fake tensors; CUDA graph capture, where a graph
-    must derive it from the live spatial_shapes on each replay; inference tensors)."""
+def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+    """Raise ValueError/TypeError naming the first malformed argument, what was expected (and where each expected
+    size came from) and what it got."""
     tensors = {
         "value": value,
         "spatial_shapes": spatial_shapes,
@@ -63,12 +57,15 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     expected_loc = (B, Q, M, L, P, 2)
     if tuple(sampling_locations.shape) != expected_loc:
-        raise _shape_error("sampling_locations", _dims("B, Q, M, L, P, 2", expected_loc), sampling_locations)
+        raise _shape_error("sampling_locations", _dims("B, Q, M, L, P, 2", expected_loc), sampling_locations,
+                           " (B, M from value.shape, L = spatial_shapes.shape[0], Q, P its own)")
     expected_w = (B, Q, M, L, P)
     if tuple(attention_weights.shape) != expected_w:
-        raise _shape_error("attention_weights", _dims("B, Q, M, L, P", expected_w), attention_weights)
+        raise _shape_error("attention_weights", _dims("B, Q, M, L, P", expected_w), attention_weights,
+                           " (B, M from value.shape, L = spatial_shapes.shape[0], Q, P from sampling_locations)")
     if level_start_index is not None and tuple(level_start_index.shape) != (L,):
-        raise _shape_error("level_start_index", _dims("L,", (L,)), level_start_index)
+        raise _shape_error("level_start_index", _dims("L,", (L,)), level_start_index,
+                           " (L = spatial_shapes.shape[0])")
 
     for arg in ("value", "sampling_locations", "attention_weights"):
         if tensors[arg].dtype not in FLOAT_DTYPES:
@@ -94,55 +91,13 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
         if t.device != device:
             raise ValueError(f"{arg}: expected device {device} (the device of value), got {t.device}")
 
-    index_tensors = (spatial_shapes,) if level_start_index is None else (spatial_shapes, level_start_index)
-    if not _can_read_values(index_tensors):
-        return level_start_index
-    if not _already_checked(S, spatial_shapes, level_start_index):
-        starts = _check_level_values(S, spatial_shapes, level_start_index)
-        _remember_checked(S, spatial_shapes, level_start_index, starts)
-    if level_start_index is not None:
-        return level_start_index
-    return _checked_levels.get(id(spatial_shapes), (None, None))[1]  # just checked: no entry only if unversioned
+    if _values_readable(spatial_shapes, level_start_index):
+        check_level_values(S, spatial_shapes, level_start_index)
 
 
-# Reading spatial_shapes on CUDA synchronizes with the device, so each live index tensor is read once
-# per version: id(spatial_shapes) -> ((S, its version, level_start_index's id and version), starts), where
-# starts is the level_start_index derived from the values read when none was passed (else None). A live
-# object keeps its id, any in-place write bumps its version, and the entry goes when the tensor does.
-# Tensors made under torch.inference_mode() have no version counter: they are read on every call.
-_checked_levels: dict = {}
-
-
-def _level_key(S, spatial_shapes, level_start_index):
-    starts = None if level_start_index is None else (id(level_start_index), level_start_index._version)
-    return S, spatial_shapes._version, starts
-
-
-def _versioned(spatial_shapes, level_start_index) -> bool:
-    return not (spatial_shapes.is_inference() or (level_start_index is not None and level_start_index.is_inference()))
-
-
-def _already_checked(S, spatial_shapes, level_start_index) -> bool:
-    entry = _checked_levels.get(id(spatial_shapes))
-    return (_versioned(spatial_shapes, level_start_index) and entry is not None
-            and entry[0] == _level_key(S, spatial_shapes, level_start_index))
-
-
-def _remember_checked(S, spatial_shapes, level_start_index, starts: list) -> None:
-    if not _versioned(spatial_shapes, level_start_index):
-        return
-    key = id(spatial_shapes)
-    if key not in _checked_levels:
-        weakref.finalize(spatial_shapes, _checked_levels.pop, key, None)
-    if level_start_index is not None:  # its id must not be reused while the entry names it
-        weakref.finalize(level_start_index, _checked_levels.pop, key, None)
-    derived = None if level_start_index is not None else torch.tensor(starts, device=spatial_shapes.device)
-    _checked_levels[key] = (_level_key(S, spatial_shapes, level_start_index), derived)
-
-
-def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
-    """The level table must describe value's S rows exactly, or a kernel would read past them. Returns
-    the level starts the shapes imply."""
+def check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
+    """The level table must describe value's S rows exactly. Reads the tensors (a device sync on CUDA: callers
+    that read them anyway, like the grid_sample backend, check for free). Returns the level starts."""
     shapes = spatial_shapes.tolist()
     for l, (h, w) in enumerate(shapes):
         if h <= 0 or w <= 0:
@@ -155,7 +110,7 @@ def _check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index)
         )
     if level_start_index is not None and level_start_index.tolist() != starts:
         raise ValueError(
-            f"level_start_index: expected the exclusive cumulative sum of H_l * W_l, {starts}, "
+            f"level_start_index: expected the exclusive cumulative sum of H_l * W_l from spatial_shapes, {starts}, "
             f"got {level_start_index.tolist()}"
         )
     return starts
@@ -173,3 +128,14 @@ def level_starts(shapes: list) -> list:
 def check_grad_accum(grad_accum: str) -> None:
     if grad_accum not in GRAD_ACCUM_MODES:
         raise ValueError(f"grad_accum: expected one of {GRAD_ACCUM_MODES}, got {grad_accum!r}")
+
+
+def check_grad_output(grad_output, value, sampling_locations) -> None:
+    expected = (*sampling_locations.shape[:2], value.shape[2] * value.shape[3])
+    if tuple(grad_output.shape) != expected:
+        raise ValueError(f"grad_output: expected shape (B, Q, M*D) = {expected} (B, Q from sampling_locations, "
+                         f"M, D from value), got {tuple(grad_output.shape)}")
+    if grad_output.device != value.device:
+        raise ValueError(f"grad_output: expected device {value.device} (the device of value), got {grad_output.device}")
+    if not grad_output.is_floating_point():
+        raise TypeError(f"grad_output: expected a floating dtype, got {grad_output.dtype}")

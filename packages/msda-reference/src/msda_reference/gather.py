@@ -66,6 +66,6 @@ BACKEND = Backend(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset({"cpu"}),
-    deterministic_on=frozenset({"cpu"}),  # grid_sample's CPU backward adds in a fixed order
+    reproducible_on=frozenset({"cpu"}),  # grid_sample's CPU backward adds in a fixed order
     priority=20,  # faster than grid_sample on the CPU: no re-layout of value
 )

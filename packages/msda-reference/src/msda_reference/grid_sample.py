@@ -1,6 +1,6 @@
 """The ``grid_sample`` backend: one ``F.grid_sample`` per level, on any device and dtype.
 
-OP.md's bilinear sample is exactly ``grid_sample(bilinear, zeros, align_corners=False)`` at grid
+The op's bilinear sample (docs/math.md) is exactly ``grid_sample(bilinear, zeros, align_corners=False)`` at grid
 ``2 * loc - 1``. Half inputs are computed in float32 (the reference of low-precision results, and the
 mixed half-value/fp32-location case, must not lose the locations' precision). Autograd is off inside an
 op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` directly.
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from msda_core import Backend
+from msda_core.validation import check_level_values
 
 _BILINEAR, _ZEROS = 0, 0  # aten's enum values for mode="bilinear", padding_mode="zeros"
 
@@ -34,6 +35,7 @@ def _per_level(value, spatial_shapes, level_start_index, sampling_locations, att
     B, S, M, D = value.shape
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     dtype = compute_dtype(value, sampling_locations)
+    check_level_values(S, spatial_shapes, level_start_index)  # it reads the table anyway: the check is free
     for l, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
         value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
         grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
@@ -94,6 +96,6 @@ BACKEND = Backend(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset({"cpu", "cuda"}),
-    deterministic_on=frozenset({"cpu"}),  # aten's CUDA backward scatters with atomicAdd
+    reproducible_on=frozenset({"cpu"}),  # aten's CUDA backward scatters with atomicAdd
     priority=10,
 )

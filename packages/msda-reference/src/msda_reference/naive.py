@@ -121,7 +121,7 @@ BACKEND = Backend(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset(),  # a test oracle: only when asked for by name
-    deterministic_on=frozenset({"cpu"}),
+    reproducible_on=frozenset({"cpu"}),
     priority=0,
     limits=_limits,
 )

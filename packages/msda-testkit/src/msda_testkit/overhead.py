@@ -1,16 +1,15 @@
 """``python -m msda_testkit.overhead``: host cost per call of the op, against what torch itself costs.
 
-Times forward and forward + ``torch.autograd.grad`` on decoder-sized inputs for layers of the same call:
-a bare ``torch.autograd.Function``; a ``torch.library`` op pair with msda's own schemas, built as msda's is
-(forward op, backward op, ``msda_core.op.register_autograd``), whose kernels only allocate their outputs (the
-floor of this design); the same pair calling the real backend's forward and backward directly (msda's op without
-its validation and selection); msda's op with a no-op backend; msda's op with the real backend. The
-differences say where a small call's time goes.
+Times forward and forward + ``torch.autograd.grad`` on decoder-sized inputs for layers of the same call: a bare
+``torch.autograd.Function``; a public CompositeImplicitAutograd ``torch.library`` op with msda's schema whose kernel
+applies that Function (the floor of msda's design: msda_core.op); msda's op with a no-op traceable backend (adds
+validation and selection) and with a no-op opaque backend (adds the private custom op); the real backend's forward
+called alone; and msda's op with the real backend. The differences say where a small call's time goes.
 
-Two measures: the host's time per call (a loop of calls, then one synchronize), and on CUDA the bench's
-own "called" figures (``msda_testkit.bench``: medians of ``triton.testing.do_bench``, backward = forward+grad
-less forward). do_bench zeroes a 256 MB buffer before each call, and the host's work for the call
-overlaps that fill, so the bench's figures sit below the host's time by up to the fill's duration.
+Two measures: the host's time per call (a loop of calls, then one synchronize), and on CUDA the bench's own "called"
+figures (msda_testkit.bench: medians of triton.testing.do_bench, backward = forward+grad less forward). do_bench
+zeroes a 256 MB buffer before each call and the host's work overlaps that fill, so the bench's figures sit below the
+host's time by up to the fill's duration.
 """
 
 from __future__ import annotations
@@ -43,31 +42,24 @@ class _Bare(torch.autograd.Function):
         return _outputs_like(*ctx.saved_tensors)
 
 
-def _library_op_pair(lib, name: str, backend=None):
-    """Define ``lib``'s op pair ``name`` / ``name_backward`` with msda's schemas and autograd registration.
-    Its kernels allocate their outputs, or with ``backend`` (a registry Backend) call its forward and backward
-    directly: no validation, no selection."""
-    lib.define(name + op.SCHEMA)
-    lib.define(f"{name}_backward" + op.BACKWARD_SCHEMA)
+def _composite_op(lib):
+    """A public op with msda's schema whose CompositeImplicitAutograd kernel applies _Bare: no validation, no
+    selection, no kernel."""
+    lib.define("floor" + op.SCHEMA)
+    lib.impl("floor", lambda value, shapes, starts, loc, weights, **options: _Bare.apply(value, loc, weights),
+             "CompositeImplicitAutograd")
+    return torch.ops.msda_overhead.floor
 
-    def forward(value, spatial_shapes, level_start_index, loc, weights, **options):
-        if backend:
-            return backend.forward(value, spatial_shapes, level_start_index, loc, weights)
-        return value.new_empty(msda_core.output_shape(value, loc))
 
-    def backward(grad_output, value, spatial_shapes, level_start_index, loc, weights, **options):
-        if backend:
-            return backend.backward(grad_output, value, spatial_shapes, level_start_index, loc, weights, "auto", False)
-        return _outputs_like(value, loc, weights)
-
-    lib.impl(name, forward, "CompositeExplicitAutograd")
-    lib.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
-    op.register_autograd(lib, name)
-    return getattr(torch.ops.msda_overhead, name)
+def _noop_backend(name, device, dtype, traceable):
+    return msda_core.Backend(
+        name, forward=lambda v, s, st, l, w: v.new_empty(msda_core.output_shape(v, l)),
+        backward=lambda g, v, s, st, l, w, accum, det: _outputs_like(v, l, w),
+        devices=frozenset({device.type}), dtypes=frozenset({dtype}), traceable=traceable)
 
 
 def _per_call_ms(fn, device, calls: int) -> float:
-    for _ in range(max(10, calls // 20)):
+    for _ in range(max(1, calls // 20)):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -80,52 +72,62 @@ def _per_call_ms(fn, device, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backend", default="auto", help="the real backend (auto: what the op would choose)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--calls", type=int, default=2000)
+    parser = argparse.ArgumentParser(prog="python -m msda_testkit.overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the op runs (default: cuda if available, else cpu)")
+    parser.add_argument("--backend", default="auto", help="the real backend (default: auto, what the op chooses)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="value's dtype (default: float32)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per layer and measure (default: 2000)")
+    parser.add_argument("--case", default="decoder_b4_q300", help="the inputs, a msda_testkit case (default: "
+                        "decoder_b4_q300)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "overhead: --device cuda, but torch sees no CUDA device here\n")
     dtype = getattr(torch, args.dtype)
-    inputs = make_inputs(case("decoder_b4_q300"), dtype, device=device)
+    inputs = make_inputs(case(args.case), dtype, device=device)
     value, shapes, starts, loc, weights = (inputs[k] for k in ARGUMENTS)
     leaves = [t.requires_grad_() for t in (value, loc, weights)]
     grad_output = grad_output_for(inputs)
-    msda_core.register(msda_core.Backend(
-        "overhead_noop", forward=lambda v, s, st, l, w: v.new_empty(msda_core.output_shape(v, l)),
-        backward=lambda g, v, s, st, l, w, accum, det: _outputs_like(v, l, w),
-        devices=frozenset({device.type}), dtypes=frozenset({dtype})))
-    chosen = msda_core.resolve(msda_core.requested(args.backend), msda_core.Inputs.of(value, loc))
+    for name, traceable in (("overhead_traceable", True), ("overhead_opaque", False)):
+        msda_core.register(_noop_backend(name, device, dtype, traceable))
+    chosen = msda_core.resolve(args.backend, msda_core.Inputs.of(value, loc))
     lib = torch.library.Library("msda_overhead", "FRAGMENT")
-    pairs = {"torch.library op pair, msda's schemas, no kernel": _library_op_pair(lib, "plain"),
-             f"the same, calling backend {chosen.name!r} directly": _library_op_pair(lib, "direct", chosen)}
-    layers = {"autograd.Function, no kernel": lambda: _Bare.apply(value, loc, weights)}
-    layers |= {name: (lambda pair=pair: pair(value, shapes, starts, loc, weights)) for name, pair in pairs.items()}
-    layers |= {
-        "msda op, no-op backend": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
-                                                                backend="overhead_noop"),
+    floor = _composite_op(lib)
+    detached = [t.detach() for t in (value, shapes, starts, loc, weights)]
+    layers = {
+        "autograd.Function, no kernel": lambda: _Bare.apply(value, loc, weights),
+        "composite op -> autograd.Function, no kernel": lambda: floor(value, shapes, starts, loc, weights),
+        "msda op, no-op traceable backend": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
+                                                                          backend="overhead_traceable"),
+        "msda op, no-op opaque backend": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
+                                                                       backend="overhead_opaque"),
+        f"backend {chosen.name!r}: its forward alone": lambda: chosen.forward(*detached),
         f"msda op, backend {chosen.name!r}": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
                                                                            backend=chosen.name),
     }
     rows = []
     try:
         for name, forward in layers.items():
+            differentiable = "forward alone" not in name
             forward_backward = lambda: torch.autograd.grad(forward(), leaves, grad_output)  # noqa: E731
-            row = [name, _per_call_ms(forward, device, args.calls), _per_call_ms(forward_backward, device, args.calls)]
+            row = [name, _per_call_ms(forward, device, args.calls),
+                   _per_call_ms(forward_backward, device, args.calls) if differentiable else None]
             if device.type == "cuda":
                 fwd = median_ms(forward, device, 0)
-                row += [fwd, median_ms(forward_backward, device, 0) - fwd]
+                row += [fwd, median_ms(forward_backward, device, 0) - fwd if differentiable else None]
             rows.append(row)
     finally:
-        msda_core.unregister("overhead_noop")
+        for name in ("overhead_traceable", "overhead_opaque"):
+            msda_core.unregister(name)
         lib._destroy()
     print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}, decoder B4 Q300 {args.dtype}, {args.calls} calls each")
+          f"{torch.__version__}, {args.case} {args.dtype}, {args.calls} calls each")
     headers = ["layer", "host fwd ms/call", "host fwd+grad ms/call"]
     if device.type == "cuda":
         headers += ["bench fwd ms", "bench bwd ms"]
-    print(tabulate(rows, headers=headers, floatfmt=".4f"))
+    print(tabulate(rows, headers=headers, floatfmt=".4f", missingval="-"))
     return 0
 
 

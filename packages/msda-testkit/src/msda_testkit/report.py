@@ -52,8 +52,8 @@ def rows_for(case, dtype, device, repeats):
     for name, backend in sorted(msda_core.backends().items()):
         # backends that scatter with atomics are shown with both accumulation paths, and their
         # deterministic mode when they have one
-        paths = [(mode, mode, False) for mode in (("native", "fp32") if backend.accumulation_switch else ("auto",))]
-        if backend.deterministic_mode:
+        paths = [(mode, mode, False) for mode in (("native", "fp32") if backend.honors_grad_accum else ("auto",))]
+        if backend.deterministic_on_request:
             paths.append(("deterministic", "auto", True))
         for path, grad_accum, deterministic in paths:
             label = f"{name} ({path})" if len(paths) > 1 else name

@@ -34,8 +34,9 @@ ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_v
 def _variants():
     """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        for rule, rows in {"many-rows": INTS["n_rows"], "few-rows": 4 * 300 * 8}.items():
-            blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32", rows=rows)
+        for rule, few_rows in {"many-rows": False, "few-rows": True}.items():
+            blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32",
+                                                      few_rows=few_rows)
             for width, wide in {"int32": False, "int64": True}.items():
                 yield (f"forward {dtype} {rule} {width}", kernels.forward_kernel,
                        {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},

@@ -1,4 +1,4 @@
-"""Triton kernels of multi-scale deformable attention (OP.md has the math and the conventions).
+"""Triton kernels of multi-scale deformable attention (docs/math.md has the math and the conventions).
 
 Layout: a *row* is one (b, q, m) triple, r = (b * Q + q) * M + m. With contiguous inputs the row's
 locations start at r * L * P * 2, its weights at r * L * P and its output at r * D; its head's pixel s
@@ -16,28 +16,20 @@ FEW_ROWS = 2 ** 17  # B*Q*M rows below which the forward takes small blocks (lau
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
-def launch_config(D: int, backward: bool, value_fp32: bool = False, rows: int = 0,
+def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bool = False,
                   half_atomics: bool = False) -> tuple:
-    """(the kernel's block constexprs, num_warps) for ``rows`` = B*Q*M rows. The channel block covers D up to
-    64; the backward loops over channel blocks. Timed on the H200 by replaying CUDA graphs
-    (``python -m msda_triton.tune`` and ``python -m msda_testkit.bench``, BENCHMARKS.md), encoder B2 unless named:
-    - forward, 32 rows on 4 warps (8 from D > 32, same elements per thread: not timed), head-major, one point
-      at a time: fp32 0.215 ms (B8 0.842), bf16 0.168 (0.648), fp16 0.156 (0.607); the best other shapes
-      were within 5% at B2 and 2% at B8, none best at both (BENCHMARKS.md);
-    - forward with few rows (< FEW_ROWS: too few programs to hide latency), 4 rows per program, and of each
-      row 2 points per step in fp32, 4 in fp16/bf16. Decoder B4 Q300: fp32 with 1 point 0.0099 against 0.0145
-      ms, bf16 0.0077 against 0.0115. At B4 Q2400 (76800 rows) fp32 0.061 against 0.068, bf16 0.045 against
-      0.046; at B4 Q4800 (153600 rows) 0.110 against 0.108 and 0.085 against 0.080, hence the threshold.
-      Then 2 points in fp32, with a cold L2 (1 point / 2 points / the many-rows rule): Q300 0.0213 / 0.0199,
-      Q2400 0.0688 / 0.0650 / 0.0765, Q4000 (128000 rows) 0.1004 / 0.0967 / 0.0997; warm, 2 points gained 4-8%;
-    - backward with fp32 atomic adds (fp32 gradients, the fp32 buffer, the deterministic mode), 16 rows on 4
-      warps: fp32 0.867 against 1.05 ms with 64 rows; deterministic 2.13 against 2.25;
-    - backward with fp16/bf16 atomic adds (``half_atomics``), 64 rows on 4 warps: 16 rows took fp16 0.709
-      against 0.608 ms, bf16 0.684 against 0.613."""
+    """(the kernel's block constexprs, num_warps). The channel block covers D up to 64; the backward loops over
+    channel blocks. Chosen by timing CUDA-graph replays on the H200 (``python -m msda_triton.tune``; the figures
+    are in BENCHMARKS.md, "Launch rules"):
+    - forward, many rows: 32 rows on 4 warps (8 from D > 32), head-major (_block_rows), one point per step;
+    - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
+      each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
+    - backward with fp32 atomic adds: 16 rows on 4 warps;
+    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
     block_d = min(triton.next_power_of_2(D), 64)
     if backward:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
-    if rows < FEW_ROWS:
+    if few_rows:
         return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
     return {"BLOCK_R": 32, "BLOCK_P": 1, "BLOCK_D": block_d, "HEAD_MAJOR": True}, 4 if block_d <= 32 else 8
@@ -69,7 +61,7 @@ def _head_start(rows, Q, S, M):
 
 
 @triton.jit
-def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
+def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S, sample, ok, level):
     """Load the samples at offsets ``sample`` (masked by ``ok``, of level ``level``: any shapes that broadcast)
     and return their bilinear corners, sample weights and pixel coordinates.
 
@@ -78,6 +70,8 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     outside [-1, W) x [-1, H) (NaN and inf included) are replaced by 0 before the integer conversion, and
     all their corners are masked off. At x = W both columns lie outside the map; at x = -1 the second is
     inside with weight 0, which grid_sample still multiplies (an inf there gives NaN), so -1 stays in.
+    A corner is also masked unless its pixel lies in [0, S): whatever the level table holds (it is not
+    validated on the GPU), no read or write leaves value's rows.
     """
     H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
@@ -104,10 +98,13 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, ok, level):
     in_y0 = y0 >= 0
     in_y1 = y0 + 1 < H
     p00 = start + (y0 * W + x0).to(sample.dtype)
-    return (p00, in_y0 & in_x0, (1.0 - fx) * (1.0 - fy),
-            p00 + 1, in_y0 & in_x1, fx * (1.0 - fy),
-            p00 + W, in_y1 & in_x0, (1.0 - fx) * fy,
-            p00 + W + 1, in_y1 & in_x1, fx * fy,
+    p01 = p00 + 1
+    p10 = p00 + W
+    p11 = p10 + 1
+    return (p00, in_y0 & in_x0 & (p00 >= 0) & (p00 < S), (1.0 - fx) * (1.0 - fy),
+            p01, in_y0 & in_x1 & (p01 >= 0) & (p01 < S), fx * (1.0 - fy),
+            p10, in_y1 & in_x0 & (p10 >= 0) & (p10 < S), (1.0 - fx) * fy,
+            p11, in_y1 & in_x1 & (p11 >= 0) & (p11 < S), fx * fy,
             a, fx, fy, Wf, Hf, finite)
 
 
@@ -132,7 +129,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
             point = p0 + tl.arange(0, BLOCK_P)[None, :]
             ok = row_ok[:, None] & (point < P)
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr,
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S,
                                                   rows[:, None] * (L * P) + level * P + point, ok, level)
             a = tl.where(finite, a, float("nan"))
             v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, :, None], mask=m00[:, :, None] & d_ok, other=0.0)
@@ -149,6 +146,10 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
 # (constexprs, num_warps) of the deterministic mode's helper kernels: one row per thread; 1024 elements a program.
 ANCHOR_MASS_LAUNCH = ({"BLOCK_R": 128}, 4)
 FIXED_POINT_FINISH_LAUNCH = ({"BLOCK": 1024}, 4)
+
+# The deterministic mode's sums are exact while an element of grad_value receives fewer terms than this (Q*L*P
+# bounds them): the backend refuses more, and a traced call with more (sizes unknown when it was traced) gets NaN.
+MAX_EXACT_TERMS = tl.constexpr(2 ** 23)
 
 # The deterministic mode counts each sample's |a| in units of max|a| / MASS_UNITS (rounded up, so a nonzero
 # weight is at least one unit and a unit count also bounds how many terms an element receives).
@@ -168,7 +169,7 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     for level in range(L):
         for point in range(P):
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr,
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S,
                                                   rows * (L * P) + level * P + point, row_ok, level)
             anchor = tl.where(m00, p00, tl.where(m01, p01, tl.where(m10, p10, p11)))
             units = tl.ceil(tl.abs(a) * per_unit)
@@ -251,11 +252,12 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
     ratio = 1.0
     if FIXED_POINT:
         scale, ratio = _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr)
+        scale = tl.where(Q.to(tl.int64) * L * P < MAX_EXACT_TERMS, scale, float("nan"))
     for level in range(L):
         for point in range(P):
             sample = rows * (L * P) + level * P + point
             (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, sample, row_ok, level)
+             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S, sample, row_ok, level)
             gv00 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # <g, v_corner> over all channels
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv10 = tl.zeros((BLOCK_R,), dtype=tl.float32)
