@@ -5,6 +5,7 @@ from .cases import (
     ARGUMENTS, DETR_LEVELS, DIFFERENTIABLE, EDGE_CASES, GRADCHECK_HEAD_DIMS, SMALL_CASES, STANDARD_CASES, Case, case,
     grad_output_for, make_inputs, upcast, with_head_dim,
 )
+from . import deploy
 from .compare import Comparison, assert_close, compare
 from .replay import assert_replays_bit_exact
 from .parity import GRAD_NAMES, assert_parity, check_parity, compare_results, grad_value_effect, reference, run
