@@ -48,39 +48,42 @@ def test_compile_inlines_the_triton_kernels_in_inference_and_training():
 
 
 def test_reduce_overhead_runs_a_decoder_training_step_with_no_cudagraph_skips():
+    """The layer and its loss compiled with CUDA graphs (forward and backward graphs), trained under bf16
+    autocast for a few steps: no graph is skipped, and the losses match eager's."""
     layer = _layer().cuda()
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
 
-    def step(*args):
-        loss = layer(*args).float().square().mean()
-        loss.backward()
-        return loss
+    def loss_of(*args):
+        return layer(*args).float().square().mean()
 
     _fresh_compile()
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(loss_of, mode="reduce-overhead", fullgraph=True)
     for seed in range(4):
         args = _layer_inputs(seed=seed)
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()
         with torch.autocast("cuda", BF16):
-            compiled(*args)
+            loss = compiled(*args)
+            expected = loss_of(*args).detach()
+        loss.backward()
         optimizer.step()
+        kit.assert_close("loss", loss.detach(), expected, kit.tolerance(BF16, "forward"))
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_dynamic_batch_and_queries_compile_once():
-    """After the first size, torch.compile marks the sizes dynamic: further batch and query sizes reuse the graph
-    (no launch rule guards on them)."""
+    """Compiled with dynamic shapes, new batch and query counts reuse the graph: no launch rule guards on them.
+    (Sizes of 1 are left out: torch specializes them whatever the op does.)"""
     layer = _layer().cuda()
     counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(layer, backend=counter, fullgraph=True)
     _fresh_compile()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     with torch.no_grad():
-        for batch, queries in ((2, 300), (3, 300), (4, 500), (1, 123), (5, 900)):
+        for batch, queries in ((2, 300), (3, 300), (4, 500), (2, 123), (5, 900)):
             case = kit.Case("dyn", batch=batch, queries=queries, heads=8, head_dim=32, levels=kit.DETR_LEVELS[2:],
                             points=4)
             args = _layer_inputs(case)
             kit.assert_close("output", compiled(*args), layer(*args), kit.tolerance(F32, "forward"))
-    assert counter.frame_count <= 2, f"compiled {counter.frame_count} times"
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "training"])

@@ -1,10 +1,12 @@
 """The ``triton`` backend: kernels.py behind two ``torch.library.triton_op``s, ``msda::_triton_forward`` and
-``msda::_triton_backward``, every launch made through ``torch.library.wrap_triton``. torch.compile and AOTInductor
-see through them and compile the kernels into their own code; eagerly they run on CUDA tensors, or on CPU tensors
-through Triton's interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
+``msda::_triton_backward``. While torch.compile or torch.export trace a call, the backend calls those ops and every
+launch goes through ``torch.library.wrap_triton``, so Inductor and AOTInductor compile the kernels into their own
+code. An eager call on real tensors runs the same bodies directly, skipping the custom op's dispatch (a third of a
+decoder call's host time: BENCHMARKS.md, "Host time"), on CUDA tensors, or on CPU tensors through Triton's
+interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
 
-The bodies run on fake tensors while tracing, so they branch on metadata only: a launch rule that depends on a
-size the trace leaves symbolic takes the choice that is right for every size (launch_forward).
+The bodies also run on fake tensors, so they branch on metadata only: a launch rule that depends on a size the
+trace leaves symbolic takes the choice that is right for every size (launch_forward).
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-def _eager(kernel) -> bool:
-    """Whether this launch runs now, on real tensors: wrap_triton hands back the kernel itself then, and a
-    traceable wrapper while torch.compile or export record the launch."""
-    return torch.library.wrap_triton(kernel) is kernel
+def _eager(tensor) -> bool:
+    """Whether the call runs now on real tensors. Tracing (torch.compile, export) passes fake or functional
+    tensors, subclasses of torch.Tensor, whose launches must be recorded through wrap_triton."""
+    return type(tensor) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 class _Plan(NamedTuple):
@@ -117,13 +119,12 @@ def _remember(kernel, grid: tuple, pointers: tuple, scalars: tuple, constexprs: 
 
 def _launch(kernel, grid: tuple, pointers: tuple, scalars: tuple, constexprs: dict, num_warps: int,
             remember: bool = True) -> None:
-    """``kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)`` through wrap_triton: traced, the
-    launch is recorded and Inductor compiles the kernel with its own options; eagerly, _launch_now runs it."""
-    launcher = torch.library.wrap_triton(kernel)
-    if launcher is not kernel:
-        launcher[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)
-        return
-    _launch_now(kernel, grid, pointers, scalars, constexprs, num_warps, remember)
+    """``kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)``: traced, through wrap_triton, which
+    records the launch for Inductor to compile with its own options; eagerly, _launch_now runs it."""
+    if _eager(pointers[0]):
+        _launch_now(kernel, grid, pointers, scalars, constexprs, num_warps, remember)
+    else:
+        torch.library.wrap_triton(kernel)[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)
 
 
 def _launch_now(kernel, grid: tuple, pointers: tuple, scalars: tuple, constexprs: dict, num_warps: int,
@@ -154,7 +155,7 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
     """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config (and
     the offsets' width, if it names WIDE). Symbolic rows take the many-rows rule, right at every size."""
     pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out)
-    if config is None and _eager(kernels.forward_kernel) and _replay(kernels.forward_kernel, pointers):
+    if config is None and _eager(value) and _replay(kernels.forward_kernel, pointers):
         return
     sizes = _sizes(value, sampling_locations)
     n_rows, Q, _, M, D = sizes[:5]
@@ -176,7 +177,7 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
     grad_max = torch.linalg.vector_norm(grad_output, float("inf"))
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
     pointers = (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass)
-    if not (_eager(kernels.anchor_mass_kernel) and _replay(kernels.anchor_mass_kernel, pointers)):
+    if not (_eager(value) and _replay(kernels.anchor_mass_kernel, pointers)):
         n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
         blocks, num_warps = kernels.ANCHOR_MASS_LAUNCH
         _launch(kernels.anchor_mass_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),), pointers,
@@ -192,7 +193,7 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     fraction, maxima = fixed_point or (None, (None, None, None))
     pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
                 grad_value, fraction, grad_locations, grad_weights, *maxima)
-    if config is None and _eager(kernels.backward_kernel) and _replay(kernels.backward_kernel, pointers):
+    if config is None and _eager(value) and _replay(kernels.backward_kernel, pointers):
         return
     sizes = _sizes(value, sampling_locations)
     blocks, num_warps = config or kernels.launch_config(
@@ -201,8 +202,7 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
             {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps, remember=config is None)
 
 
-@torch.library.triton_op("msda::_triton_forward", mutates_args=())
-def forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+def _forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
             sampling_locations: torch.Tensor, attention_weights: torch.Tensor) -> torch.Tensor:
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
         t.contiguous() for t in (value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
@@ -211,14 +211,7 @@ def forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index
     return out
 
 
-@forward.register_fake
-def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Shapes only: torch.compile and export learn the output without running the body (its launches)."""
-    return value.new_empty(output_shape(value, sampling_locations))
-
-
-@torch.library.triton_op("msda::_triton_backward", mutates_args=())
-def backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
+def _backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
              level_start_index: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
              grad_accum: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """deterministic: grad_value as exact sums of integers in two fp32 buffers (grad_accum does not apply),
@@ -237,17 +230,41 @@ def backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: tor
     launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
     pointers = (grad_value, fraction, *maxima, out)
-    if not (_eager(kernels.fixed_point_finish_kernel) and _replay(kernels.fixed_point_finish_kernel, pointers)):
+    if not (_eager(value) and _replay(kernels.fixed_point_finish_kernel, pointers)):
         blocks, num_warps = kernels.FIXED_POINT_FINISH_LAUNCH
         _launch(kernels.fixed_point_finish_kernel, (triton.cdiv(value.numel(), blocks["BLOCK"]),), pointers,
                 (value.numel(),), blocks, num_warps)
     return out, grad_locations, grad_weights
 
 
-@backward.register_fake
+_triton_forward = torch.library.triton_op("msda::_triton_forward", _forward, mutates_args=())
+_triton_backward = torch.library.triton_op("msda::_triton_backward", _backward, mutates_args=())
+
+
+@_triton_forward.register_fake
+def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Shapes only: torch.compile and export learn the output without running the body (its launches)."""
+    return value.new_empty(output_shape(value, sampling_locations))
+
+
+@_triton_backward.register_fake
 def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_accum,
       deterministic):
     return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """The output, from the body directly when eager, else through the triton_op that tracing records."""
+    run = _forward if _eager(value) else _triton_forward
+    return run(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             grad_accum, deterministic):
+    """The three gradients, as forward: the body directly when eager, else the triton_op."""
+    run = _backward if _eager(value) else _triton_backward
+    return run(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+               grad_accum, deterministic)
 
 
 def _limits(inputs) -> list:
