@@ -34,7 +34,7 @@ def test_gather_backward_replays_bitwise():
 @pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS)
 @pytest.mark.parametrize("backend", ["naive", "grid_sample", "gather"])
 def test_gradcheck(backend, head_dim):
-    """Finite differences of the op itself; samples kept away from pixel kinks (OP.md)."""
+    """Finite differences of the op itself; samples kept away from pixel kinks (docs/math.md)."""
     case = kit.Case(f"gradcheck_d{head_dim}", head_dim=head_dim, layout="away_from_pixels", loc_range=(-0.2, 1.2))
     inputs = kit.make_inputs(case, torch.float64)
     value, loc, weights = (inputs[k].requires_grad_() for k in ("value", "sampling_locations", "attention_weights"))

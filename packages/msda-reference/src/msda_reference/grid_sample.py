@@ -1,6 +1,6 @@
 """The ``grid_sample`` backend: one ``F.grid_sample`` per level, on any device and dtype.
 
-The op's bilinear sample (docs/math.md) is exactly ``grid_sample(bilinear, zeros, align_corners=False)`` at grid
+The bilinear sample of docs/math.md is exactly ``grid_sample(bilinear, zeros, align_corners=False)`` at grid
 ``2 * loc - 1``. Half inputs are computed in float32 (the reference of low-precision results, and the
 mixed half-value/fp32-location case, must not lose the locations' precision). Autograd is off inside an
 op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` directly.

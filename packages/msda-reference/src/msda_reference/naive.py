@@ -1,7 +1,7 @@
-"""The ``naive`` backend: the math of OP.md as scalar Python loops, in float64 (Python floats).
+"""The ``naive`` backend: the math of docs/math.md as scalar Python loops, in float64 (Python floats).
 
 Correct by inspection and slow: meant for tiny inputs as the root of the chain of trust. The gradients
-are OP.md's formulas written out, not autograd, so they check the formulas themselves.
+are docs/math.md's formulas written out, not autograd, so they check the formulas themselves.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import msda_core
 from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# On the GPU, locations are uniform in [-0.1, 1.1] as in PEERS.md's measurements, so the figures compare.
+# On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md ("Peers"), so they compare.
 PEER_LOC_RANGE = (-0.1, 1.1)
 GPU_CASES = tuple(replace(c, loc_range=PEER_LOC_RANGE) for c in STANDARD_CASES)
 SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \

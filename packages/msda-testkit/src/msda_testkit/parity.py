@@ -36,7 +36,7 @@ def reference(inputs: dict, backward: bool = True, backend: str = "grid_sample",
 
 def near_pixel_kinks(inputs: dict) -> torch.Tensor:
     """(B, Q, M, L, P, 1) bool: samples whose pixel coordinate lies within its own rounding error of an
-    integer. The location gradient jumps there (the corner set changes, OP.md), so a kernel computing
+    integer. The location gradient jumps there (the corner set changes, docs/math.md), so a kernel computing
     x = loc * W - 0.5 in fp32 may rightly land on the other side than the float64 reference. Backends
     compute coordinates in fp32 (fp64 for fp64 locations); a few roundings of |x| <= W + 1 give
     |error| <= 4u(W + 1); the band is twice that.
@@ -91,7 +91,7 @@ def grad_value_effect(backend: str, inputs: dict, grad_accum: str = "auto", dete
 
 
 def compare_results(inputs: dict, actual: dict, expected: dict, *, grad_value_effect: str = "gradient") -> list:
-    """Judge each result with the tolerance of its own dtype (OP.md: gradients take their input's dtype).
+    """Judge each result with the tolerance of its own dtype (docs/math.md: gradients take their input's dtype).
 
     ``grad_value_effect`` selects grad_value's entry: "gradient", "atomic" or "fixed_point" (how it was
     accumulated; see tolerances). Location gradients of
