@@ -11,7 +11,6 @@ smaller cases.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -25,6 +24,7 @@ from tabulate import tabulate
 
 import msda_core
 
+from . import cli
 from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -186,23 +186,27 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backends", nargs="*", help="default: every backend that runs on the device")
-    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--no-sweep", action="store_true", help="only the standard cases")
-    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"])
-    parser.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+    parser = cli.parser("msda_testkit.bench", __doc__)
+    cli.add_device(parser)
+    parser.add_argument("--backends", nargs="*",
+                        help="the backends to time (default: every one that runs on the device)")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
+    parser.add_argument("--no-sweep", action="store_true", help="only the standard cases, not the GPU's size sweep")
+    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"],
+                        help="grad_value accumulation paths to time")
+    parser.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
     parser.add_argument("--repeats", type=int, default=5, help="CPU: the fewest timed runs (and >= 1 s of them)")
-    parser.add_argument("--json", default="bench.json")
-    parser.add_argument("--plot", default="bench.png")
-    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from a JSON this tool wrote")
+    parser.add_argument("--json", default="bench.json", help="where the results and the environment are written "
+                        "(a relative path is in the current folder)")
+    parser.add_argument("--plot", default="bench.png", help="where the plot of time against work is written, "
+                        "if matplotlib is installed (a relative path is in the current folder)")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a JSON this tool wrote")
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
             _plot(json.load(f)["rows"], args.plot)
         return 0
-    device = torch.device(args.device)
+    device = cli.device(parser.prog, args.device)
     cases = GPU_CASES + (() if args.no_sweep else SWEEP) if device.type == "cuda" else CPU_CASES
     backends = args.backends or sorted(n for n, b in msda_core.backends().items()
                                        if device.type in b.auto_devices)

@@ -8,7 +8,6 @@ weighs on all alike. Peers: deformops (its default selection, ``deformops.regist
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import statistics
@@ -16,6 +15,7 @@ import statistics
 import torch
 from tabulate import tabulate
 
+from . import cli
 from .bench import DTYPES, GPU_CASES, environment, median_ms, training_leaves, with_backward
 from .cases import ARGUMENTS, grad_output_for, make_inputs
 
@@ -33,10 +33,12 @@ def _installed_peers() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default="peers.json")
+    parser = cli.parser("msda_testkit.peers", __doc__)
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns each implementation takes; each figure is their median")
+    parser.add_argument("--json", default="peers.json", help="where the results and the environment are written "
+                        "(a relative path is in the current folder)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the peers run on a CUDA GPU; none is available")

@@ -11,6 +11,7 @@ integers, so the PTX is the one that runs.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections import Counter
@@ -82,11 +83,18 @@ def atomic_instructions(ptx: str) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(found.items())) or "none"
 
 
-def main() -> int:
-    print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in ARCHS))
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m msda_triton.compile_ptx", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Compile every Triton kernel variant to PTX without a GPU and print the atomic and reduction "
+                    "instructions of each; fails on any compile error.")
+    parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS),
+                        help="compute capabilities to compile for, as 80 for sm_80")
+    archs = parser.parse_args(argv).arch
+    print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in archs))
     rows = []
     for name, kernel, pointer_types, constexprs, num_warps in _variants():
-        for arch in ARCHS:
+        for arch in archs:
             ptx = compile_variant(kernel, pointer_types, constexprs, num_warps, arch)
             rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

@@ -1,0 +1,42 @@
+"""What the testkit's command-line tools share: their parser and the check of ``--device``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, but for flags and options whose help says what their absence means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A parser whose usage reads ``python -m <module>``, described by the first line of the tool's
+    docstring (less the command and the reST quotes), that shows every option's default in --help."""
+    summary = re.sub(r"^``[^`]*``:\s*", "", doc.strip().splitlines()[0]).replace("``", "")
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=summary,
+                                   formatter_class=_Formatter)
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where to run: cpu, cuda or cuda:N (the default is cuda where torch sees a GPU)")
+
+
+def device(prog: str, name: str) -> torch.device:
+    """``--device``'s value as a torch.device; exits with one line where it cannot run here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"{prog}: --device {name}: not a device torch knows (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}, but sees no GPU"
+        raise SystemExit(f"{prog}: --device {name}: no CUDA device here (torch {torch.__version__} is built {build})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"{prog}: --device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
