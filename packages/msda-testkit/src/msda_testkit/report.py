@@ -1,38 +1,66 @@
 """``python -m msda_testkit.report``: every available backend on the standard and edge cases, one table.
 
 Errors are against float64 (the naive loops where they can run, else grid_sample) on the same inputs
-upcast; times are medians of wall-clock runs including host overhead, for orientation only (the benchmarks
-measure speed properly). On a CPU-only machine the encoder-size cases are replaced by the small ones.
+upcast. Times are wall-clock medians after a warm-up call, host overhead included: for orientation only
+(``msda_testkit.bench`` measures speed). On a CPU-only machine the encoder-size cases are replaced by the
+small ones. The table prints row by row as it runs; what a backend cannot run is listed under it, once per
+reason.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import textwrap
 import time
 
 import torch
-from tabulate import tabulate
 
 import msda_core
 
+from . import cli
 from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
 from .parity import compare_results, grad_value_effect, reference, run
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+COLUMNS = (("case", 24), ("dtype", 9), ("backend", 23), ("fwd ms", 9), ("bwd ms", 9), ("against float64", 0))
+LEGEND = """\
+fwd ms: median wall-clock time of one forward call, host overhead included, after a warm-up call.
+bwd ms: the median of forward+backward calls less the forward's median; "< noise" where that difference is
+  not larger than the spread of the two (their median absolute deviations added), negative ones included.
+against float64: "ok" when every result is within its tolerance, else FAIL and the results that are not;
+  "worst" names the result farthest from float64, its error given "of scale": the largest |actual - expected|
+  over the largest |expected| of that tensor."""
 
 
-def _timed(fn, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+def timed(fn, device, repeats: int, min_seconds: float = 0.05, max_repeats: int = 100):
+    """fn's result (from a warm-up call) and the wall-clock times in ms of at least ``repeats`` further
+    calls, continued up to ``max_repeats`` until they add up to ``min_seconds``."""
+    def call():
         start = time.perf_counter()
         result = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times) * 1e3
+        return result, (time.perf_counter() - start) * 1e3
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    result, _ = call()
+    times = []
+    while len(times) < repeats or (sum(times) < min_seconds * 1e3 and len(times) < max_repeats):
+        times.append(call()[1])
+    return result, times
+
+
+def _spread(times: list) -> float:
+    middle = statistics.median(times)
+    return statistics.median(abs(t - middle) for t in times)
+
+
+def subtracted(both: list, part: list) -> str:
+    """The median of ``both`` less the median of ``part``, or "< noise" where the difference does not exceed
+    the two medians' spread: a time obtained by subtraction means nothing below that."""
+    difference = statistics.median(both) - statistics.median(part)
+    return f"{difference:.3g}" if difference > _spread(both) + _spread(part) else "< noise"
 
 
 def _reference_backend(inputs):
@@ -43,56 +71,88 @@ def _reference_backend(inputs):
         return "grid_sample"
 
 
-def rows_for(case, dtype, device, repeats):
+def _paths(backend):
+    """(label, grad_accum, deterministic) of each way the report runs a backend: both accumulation paths of
+    one that scatters with atomics, and its deterministic mode when it has one."""
+    modes = ("native", "fp32") if backend.honors_grad_accum else ("auto",)
+    paths = [(mode, mode, False) for mode in modes] + ([("deterministic", "auto", True)] if backend.deterministic_on_request
+                                                       else [])
+    return paths if len(paths) > 1 else [(None, "auto", False)]
+
+
+def rows_for(case, dtype, device, repeats, skipped: dict) -> list:
+    """The table's rows for one case and dtype; each path a backend cannot run goes to ``skipped``
+    instead, keyed by (backend, reason), as (path, case, dtype)."""
     inputs = make_inputs(case, dtype, device=device)
     expected = reference(inputs, backend=_reference_backend(inputs))
     grad_output = grad_output_for(inputs)
+    dtype_name = str(dtype)[6:]
     rows = []
-    device_ = inputs["value"].device
     for name, backend in sorted(msda_core.backends().items()):
-        # backends that scatter with atomics are shown with both accumulation paths, and their
-        # deterministic mode when they have one
-        paths = [(mode, mode, False) for mode in (("native", "fp32") if backend.honors_grad_accum else ("auto",))]
-        if backend.deterministic_on_request:
-            paths.append(("deterministic", "auto", True))
-        for path, grad_accum, deterministic in paths:
-            label = f"{name} ({path})" if len(paths) > 1 else name
-            reasons = backend.not_supported_reasons(msda_core.Inputs.of(inputs["value"], inputs["sampling_locations"],
-                                                                        grad_accum, deterministic))
+        for path, grad_accum, deterministic in _paths(backend):
+            reasons = backend.not_supported_reasons(msda_core.Inputs.of(
+                inputs["value"], inputs["sampling_locations"], grad_accum, deterministic))
             if reasons:
-                rows.append([case.name, str(dtype)[6:], label, "-", "-", "skipped: " + "; ".join(reasons)[:60]])
+                skipped.setdefault((name, "; ".join(reasons)), []).append((path, case.name, dtype_name))
                 continue
             kwargs = {"grad_accum": grad_accum, "deterministic": deterministic}
-            _, fwd_ms = _timed(lambda: run(inputs, name, **kwargs), device_, repeats)
-            actual, both_ms = _timed(lambda: run(inputs, name, grad_output, **kwargs), device_, repeats)
+            _, fwd = timed(lambda: run(inputs, name, **kwargs), device, repeats)
+            actual, both = timed(lambda: run(inputs, name, grad_output, **kwargs), device, repeats)
             effect = grad_value_effect(name, inputs, grad_accum, deterministic)
             results = compare_results(inputs, actual, expected, grad_value_effect=effect)
             worst = max(results, key=lambda r: r.max_rel_err)
-            verdict = "ok" if all(r.passed for r in results) else "FAIL: " + ", ".join(
-                r.name for r in results if not r.passed)
-            rows.append([case.name, str(dtype)[6:], label, f"{fwd_ms:.3g}", f"{both_ms - fwd_ms:.3g}",
+            failed = [r.name for r in results if not r.passed]
+            verdict = "FAIL: " + ", ".join(failed) if failed else "ok"
+            rows.append([case.name, dtype_name, f"{name} ({path})" if path else name,
+                         f"{statistics.median(fwd):.3g}", subtracted(both, fwd),
                          f"{verdict} (worst {worst.name} {worst.max_rel_err:.2g} of scale)"])
     return rows
 
 
+def format_row(cells) -> str:
+    return "".join(f"{cell:<{width}}" if width else str(cell) for cell, (_, width) in zip(cells, COLUMNS)).rstrip()
+
+
+def skip_lines(skipped: dict, cases: list, width: int = 110) -> list:
+    """One wrapped paragraph per backend and reason: which of its paths, on which cases and dtypes."""
+    everything = {(c, str(d)[6:]) for c in cases for d in DTYPES}
+    lines = []
+    for (name, reason), where in skipped.items():
+        paths = sorted({p for p, _, _ in where if p})
+        label = f"{name} ({', '.join(paths)})" if paths else name
+        hit = {(c, d) for _, c, d in where}
+        if hit == everything:
+            scope = "every case and dtype"
+        else:
+            by_case = {c: [d for d in (str(t)[6:] for t in DTYPES) if (c, d) in hit] for c in cases}
+            scope = ", ".join(c + ("" if len(ds) == len(DTYPES) else f" ({'/'.join(ds)})")
+                              for c, ds in by_case.items() if ds)
+        lines += textwrap.wrap(f"{label} skipped on {scope}: {reason}", width, subsequent_indent="  ",
+                               break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = cli.parser("msda_testkit.report", __doc__)
+    cli.add_device(parser)
+    parser.add_argument("--repeats", type=int, default=5, help="the fewest timed calls per figure, after the warm-up")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    sized = STANDARD_CASES if device.type == "cuda" else SMALL_CASES + STANDARD_CASES[:1]
-    rows, failed = [], 0
-    for case in sized + EDGE_CASES:
-        for dtype in DTYPES:
-            for row in rows_for(case, dtype, device, args.repeats):
-                failed += row[-1].startswith("FAIL")
-                rows.append(row)
-                print("  ".join(row), flush=True)  # progress; the table follows
+    device = cli.device(parser.prog, args.device)
+    cases = [*(STANDARD_CASES if device.type == "cuda" else SMALL_CASES + STANDARD_CASES[:1]), *EDGE_CASES]
     print(f"msda report on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"torch {torch.__version__}, backends {sorted(msda_core.backends())}")
-    print(tabulate(rows, headers=["case", "dtype", "backend", "fwd ms", "bwd ms", "against float64"]))
-    print(f"{len(rows)} rows, {failed} failed")
+    print(LEGEND + "\n")
+    print(format_row(name for name, _ in COLUMNS))
+    rows, failed, skipped = 0, 0, {}
+    for case in cases:
+        for dtype in DTYPES:
+            for row in rows_for(case, dtype, device, args.repeats, skipped):
+                print(format_row(row), flush=True)
+                rows += 1
+                failed += row[-1].startswith("FAIL")
+    print(f"\n{rows} rows, {failed} failed" + (", and not run:" if skipped else ""))
+    for line in skip_lines(skipped, [c.name for c in cases]):
+        print(line)
     return 1 if failed else 0
 
 
