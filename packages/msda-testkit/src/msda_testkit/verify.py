@@ -8,32 +8,40 @@
 5. stress (CUDA): 1000 forward+backward iterations of the largest encoder batch within ~2 GB, allocated
    memory flat after warm-up and results unchanged.
 
-On a CPU (the slice ``nox -s cpu`` runs, kernels through TRITON_INTERPRET=1) the standard shapes are
-replaced by the small ones and stage 5 is skipped.
+On a CPU (the slice ``nox -s cpu`` runs; Triton's kernels in its interpreter, where a small case takes
+minutes) the slice keeps what no test covers and stays within a minute or two: the standard shapes' dims
+(M 8, D 32, L 4, P 4) on a few queries, a smaller uneven shape, no catalog (``test_kernels.py`` runs it in
+every dtype and accumulation path, ``test_reference_backends.py`` for the CPU backends), no stage 5. Each check
+prints as it finishes.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
+import time
 from dataclasses import replace
 
 import torch
 from tabulate import tabulate
 
+from . import cli
 from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, Case, grad_output_for, make_inputs, upcast
 from .parity import compare_results, grad_value_effect, run
 from .replay import assert_replays_bit_exact
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 UNEVEN = Case("uneven", batch=3, queries=37, heads=3, head_dim=7, levels=((5, 3), (2, 7)), points=3)
+# the CPU slice's cases: the small decoder on 2 queries, and an uneven shape whose 27 rows fill no block either
+CPU_STANDARD = replace(SMALL_CASES[0], name="decoder_small_q2", queries=2)
+CPU_UNEVEN = replace(UNEVEN, queries=3)
 
 
 class Stage:
     """Collects one stage's checks: how many ran, passed, and the worst error against its allowance."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, log=None):
         self.name, self.cases, self.passed, self.worst, self.allowed, self.failures = name, 0, 0, 0.0, None, []
+        self.log = log or (lambda stage, label, ok: None)
 
     def add(self, label: str, comparisons: list):
         self.cases += 1
@@ -43,6 +51,7 @@ class Stage:
         for c in comparisons:
             if c.max_rel_err >= self.worst:
                 self.worst, self.allowed = c.max_rel_err, c.tolerance
+        self.log(self.name, label, not failed)
 
     def check(self, label: str, fn):
         """A check that raises AssertionError on failure (replays, memory)."""
@@ -50,8 +59,10 @@ class Stage:
         try:
             fn()
             self.passed += 1
+            self.log(self.name, label, True)
         except AssertionError as err:
             self.failures.append(f"{label}: {err}")
+            self.log(self.name, label, False)
 
     def row(self):
         """worst: the largest error as a fraction of its tensor's scale; allowed: that check's tolerance."""
@@ -83,10 +94,23 @@ def _with_bad(t: torch.Tensor, bad: float) -> torch.Tensor:
     return t
 
 
-def verify(backend: str, device: str, replays: int = 10) -> list:
+def progress(out=None):
+    """A Stage log that prints each check as it finishes, with the seconds since the previous one."""
+    last = [time.perf_counter()]
+
+    def log(stage: str, label: str, ok: bool):
+        now = time.perf_counter()
+        print(f"{stage}: {label}: {'ok' if ok else 'FAILED'} ({now - last[0]:.1f} s)", file=out, flush=True)
+        last[0] = now
+
+    return log
+
+
+def verify(backend: str, device: str, replays: int = 10, log=None) -> list:
+    """The five stages' results (module docstring); ``log(stage, label, ok)`` hears of each check."""
     on_gpu = device.startswith("cuda")
-    sized = STANDARD_CASES[:2] if on_gpu else SMALL_CASES
-    stages = [Stage(n) for n in ("1 correctness", "2 dtypes", "3 edge cases", "4 determinism", "5 stress")]
+    sized, catalog, uneven = (STANDARD_CASES[:2], EDGE_CASES, UNEVEN) if on_gpu else ((CPU_STANDARD,), (), CPU_UNEVEN)
+    stages = [Stage(n, log) for n in ("1 correctness", "2 dtypes", "3 edge cases", "4 determinism", "5 stress")]
     one, dtypes, edges, determinism, stress = stages
 
     for case in sized:
@@ -96,9 +120,9 @@ def verify(backend: str, device: str, replays: int = 10) -> list:
         inputs = make_inputs(sized[0], dtype, loc_dtype, device=device)
         _compare(dtypes, f"{sized[0].name} {dtype} {loc_dtype}", inputs, backend)
 
-    for case in EDGE_CASES + (UNEVEN,):
+    for case in catalog + (uneven,):
         _compare(edges, case.name, make_inputs(case, F32, device=device), backend)
-    base = make_inputs(replace(UNEVEN, name="special"), F32, device=device)
+    base = make_inputs(replace(uneven, name="special"), F32, device=device)
     zeros = {k: (torch.zeros_like(v) if v is not None and v.is_floating_point() else v) for k, v in base.items()}
     _compare(edges, "all zeros", zeros, backend, torch.zeros_like(grad_output_for(base)))
     for bad in (math.nan, math.inf):
@@ -147,12 +171,12 @@ def _stress(backend: str, device: str, budget_bytes: int = 2 << 30, iterations: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="triton")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = cli.parser("msda_testkit.verify", __doc__)
+    parser.add_argument("--backend", default="triton", help="the backend to verify")
+    cli.add_device(parser)
     parser.add_argument("--replays", type=int, default=10, help="stage 4's runs per check")
     args = parser.parse_args(argv)
-    stages = verify(args.backend, args.device, args.replays)
+    stages = verify(args.backend, str(cli.device(parser.prog, args.device)), args.replays, progress())
     print(tabulate([s.row() for s in stages], headers=["stage", "cases", "passed", "worst error", "allowed"]))
     failures = [f for s in stages for f in s.failures]
     for line in failures:
