@@ -24,7 +24,7 @@ def test_gather_matches_naive(case, dtype):
 def test_gather_replays_bitwise_as_it_declares():
     """Its backward is grid_sample's CPU backward, which adds in a fixed order: it declares itself
     deterministic on the CPU (so its grad_value is judged without an atomics allowance), and must be."""
-    assert "cpu" in msda_core.backends()["gather"].deterministic_on
+    assert "cpu" in msda_core.backends()["gather"].reproducible_on
     inputs = kit.make_inputs(kit.case("decoder_small"), torch.float32)
     grad_output = kit.grad_output_for(inputs)
     outputs = kit.assert_replays_bit_exact(lambda **i: kit.run(i, "gather", grad_output), inputs, replays=3)

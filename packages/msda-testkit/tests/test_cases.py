@@ -14,10 +14,12 @@ def test_every_case_builds_valid_inputs(case):
     assert inputs["sampling_locations"].shape[1] == case.queries
 
 
-def test_standard_shapes_are_deformable_detr():
-    assert kit.cases.DETR_S == 22223
-    enc = kit.case("encoder_b2")
-    assert (enc.queries, enc.heads, enc.head_dim, enc.points, len(enc.levels)) == (22223, 8, 32, 4, 4)
+def test_encoder_cases_query_every_pixel_and_small_cases_scale_the_standard_levels():
+    """What the cases' names promise, so that editing one number of a case cannot silently break it."""
+    encoders = [c for c in kit.STANDARD_CASES + kit.SMALL_CASES if c.name.startswith("encoder")]
+    assert encoders and all(c.queries == c.spatial_size for c in encoders)
+    for small in kit.SMALL_CASES:
+        assert small.levels == tuple((math.ceil(h / 8), math.ceil(w / 8)) for h, w in kit.cases.DETR_LEVELS)
 
 
 def test_same_seed_same_inputs_across_dtypes():

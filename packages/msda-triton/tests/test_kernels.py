@@ -1,7 +1,7 @@
-"""The Triton kernels against float64 (link 2 of the chain: naive -> grid_sample -> triton).
+"""The Triton kernels against float64 (the second link of the chain: naive -> grid_sample -> triton).
 
 On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is grid_sample in float64 on the
-same device, which link 1 ties to the naive loops.
+same device, which msda-reference's test_reference_backends.py ties to the naive loops.
 """
 
 import itertools
