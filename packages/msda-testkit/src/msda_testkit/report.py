@@ -117,8 +117,8 @@ def skip_lines(skipped: dict, cases: list, width: int = 110) -> list:
     """One wrapped paragraph per backend and reason: which of its paths, on which cases and dtypes."""
     everything = {(c, str(d)[6:]) for c in cases for d in DTYPES}
     lines = []
-    for (name, reason), where in skipped.items():
-        paths = sorted({p for p, _, _ in where if p})
+    for (name, reason), where in sorted(skipped.items(), key=lambda item: item[0][0]):
+        paths = list(dict.fromkeys(p for p, _, _ in where if p))
         label = f"{name} ({', '.join(paths)})" if paths else name
         hit = {(c, d) for _, c, d in where}
         if hit == everything:
@@ -135,7 +135,8 @@ def skip_lines(skipped: dict, cases: list, width: int = 110) -> list:
 def main(argv=None) -> int:
     parser = cli.parser("msda_testkit.report", __doc__)
     cli.add_device(parser)
-    parser.add_argument("--repeats", type=int, default=5, help="the fewest timed calls per figure, after the warm-up")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="the fewest timed calls per figure, after the warm-up (short calls: 0.05 s of them)")
     args = parser.parse_args(argv)
     device = cli.device(parser.prog, args.device)
     cases = [*(STANDARD_CASES if device.type == "cuda" else SMALL_CASES + STANDARD_CASES[:1]), *EDGE_CASES]
