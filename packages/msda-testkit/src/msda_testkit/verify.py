@@ -8,11 +8,11 @@
 5. stress (CUDA): 1000 forward+backward iterations of the largest encoder batch within ~2 GB, allocated
    memory flat after warm-up and results unchanged.
 
-On a CPU (the slice ``nox -s cpu`` runs; Triton's kernels in its interpreter, where a small case takes
-minutes) the slice keeps what no test covers and stays within a minute or two: the standard shapes' dims
-(M 8, D 32, L 4, P 4) on a few queries, a smaller uneven shape, no catalog (``test_kernels.py`` runs it in
-every dtype and accumulation path, ``test_reference_backends.py`` for the CPU backends), no stage 5. Each check
-prints as it finishes.
+On a CPU (the slice ``nox -s cpu`` runs; Triton's kernels then run in its interpreter, where one check of a
+small case takes minutes) it keeps what no test covers and takes about a minute: the standard dims (M 8,
+D 32, L 4, P 4) on 2 queries of the small decoder in stages 1, 2 and 4; stage 3's own checks on an uneven
+shape of 27 rows; no catalog (test_kernels.py runs it in every dtype and accumulation path,
+test_reference_backends.py for the CPU backends); no stage 5. Each check prints as it finishes.
 """
 
 from __future__ import annotations
