@@ -1,0 +1,156 @@
+"""Drop-in replacements for the functions existing code calls for multi-scale deformable attention.
+
+Each keeps the signature users call today (Deformable DETR's ``MSDeformAttnFunction.apply``, mmcv's and
+detrex's ``multi_scale_deformable_attn_pytorch``, transformers' module-level functions) and runs
+``torch.ops.msda.deform_attn``, so ``use_backend``, ``MSDA_BACKEND`` and ``backend=`` choose the kernel.
+They also accept what those callers pass: level shapes as a tensor or a list of (H, W), locations with
+the (L, P) axes folded into one, and the dtypes autocast leaves behind.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import torch
+
+from . import op  # noqa: F401  (registers torch.ops.msda)
+from .validation import HALF_DTYPES
+
+_SHAPES: dict = {}  # (shapes, device) -> int64 tensor: one tensor per pyramid, so validation reads it once
+
+
+def level_shapes(shapes, device) -> torch.Tensor:
+    """``shapes`` as the (L, 2) tensor the op takes. A list of (H, W) becomes a tensor on ``device``, the same
+    one on every call (validation reads a new tensor's values, which on CUDA waits for the device)."""
+    if isinstance(shapes, torch.Tensor):
+        return shapes
+    key = (tuple((int(h), int(w)) for h, w in shapes), torch.device(device))
+    if torch.compiler.is_compiling():
+        return torch.tensor(key[0], dtype=torch.int64, device=device)
+    if key not in _SHAPES:
+        with torch.inference_mode(False):  # an inference tensor could not be saved for backward later
+            tensor = torch.tensor(key[0], dtype=torch.int64, device=device)
+        if type(tensor) is not torch.Tensor:  # made under a fake or tracing mode: good for this call only
+            return tensor
+        _SHAPES[key] = tensor
+    return _SHAPES[key]
+
+
+def _unfold(sampling_locations, attention_weights, levels: int):
+    """Locations (B, Q, M, L*P, 2) and weights (B, Q, M, L*P), level-major, as (B, Q, M, L, P, 2) and (B, Q, M, L, P)."""
+    if sampling_locations.dim() == 5:
+        LP = sampling_locations.shape[3]
+        if LP % levels:
+            raise ValueError(f"sampling_locations: expected shape (B, Q, M, L*P, 2) with L*P a multiple of "
+                             f"L = {levels}, got {tuple(sampling_locations.shape)}")
+        sampling_locations = sampling_locations.unflatten(3, (levels, LP // levels))
+    if attention_weights.dim() == 4 and sampling_locations.dim() == 6:
+        attention_weights = attention_weights.unflatten(3, sampling_locations.shape[3:5])
+    return sampling_locations, attention_weights
+
+
+def _op_dtypes(value, sampling_locations, attention_weights):
+    """Casts to a dtype pair the op takes: locations in value's dtype, or fp32 beside a half value (autocast
+    can leave fp32 locations beside bf16 weights, where the PyTorch path promotes); weights as locations."""
+    location_dtype = sampling_locations.dtype
+    if location_dtype != value.dtype and not (value.dtype in HALF_DTYPES and location_dtype == torch.float32):
+        location_dtype = torch.float32 if value.dtype in HALF_DTYPES else value.dtype
+    return sampling_locations.to(location_dtype), attention_weights.to(location_dtype)
+
+
+def run_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
+                backend: str = "auto") -> torch.Tensor:
+    """The op, after the conversions above; (B, Q, M*D). Every replacement in this package ends here."""
+    spatial_shapes = level_shapes(spatial_shapes, value.device)
+    sampling_locations, attention_weights = _unfold(sampling_locations, attention_weights, spatial_shapes.shape[0])
+    sampling_locations, attention_weights = _op_dtypes(value, sampling_locations, attention_weights)
+    return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
+                                      attention_weights, backend=backend)
+
+
+class MSDeformAttnFunction:
+    """Deformable DETR's ``MSDeformAttnFunction`` (mmcv's and detrex's ``MultiScaleDeformableAttnFunction``):
+    call ``.apply``. Not an ``autograd.Function``: the op has its own autograd."""
+
+    @staticmethod
+    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+              im2col_step=None, *, backend: str = "auto") -> torch.Tensor:
+        """im2col_step is accepted and ignored: the op has no batch chunking and no divisibility rule."""
+        return run_op(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                           attention_weights, backend=backend)
+
+
+MultiScaleDeformableAttnFunction = MSDeformAttnFunction  # mmcv, detrex
+MultiScaleDeformableAttentionFunction = MSDeformAttnFunction  # the transformers hub kernel's layer name
+
+
+def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations, attention_weights, *,
+                                        backend: str = "auto") -> torch.Tensor:
+    """mmcv's, detrex's and ultralytics' pure-PyTorch function: shapes a tensor or a list of (H, W); locations
+    (B, Q, M, L, P, 2) or level-major (B, Q, M, L*P, 2), weights (B, Q, M, L, P) or (B, Q, M, L*P)."""
+    return run_op(value, value_spatial_shapes, None, sampling_locations, attention_weights, backend=backend)
+
+
+ms_deform_attn_core_pytorch = multi_scale_deformable_attn_pytorch  # Deformable DETR, Mask2Former
+multi_scale_deformable_attention = multi_scale_deformable_attn_pytorch  # transformers' mask2former, oneformer
+
+
+def v2_unsupported(num_points_list, method) -> str | None:
+    """Why msda cannot serve a ``multi_scale_deformable_attention_v2`` call, or None when it can."""
+    if method != "default":
+        return f"method={method!r}: msda samples bilinearly (method='default') only"
+    if len(set(num_points_list)) > 1:
+        return f"num_points_list={list(num_points_list)}: msda needs the same number of points on every level"
+    return None
+
+
+def multi_scale_deformable_attention_v2(value, value_spatial_shapes, sampling_locations, attention_weights,
+                                        num_points_list, method="default", *, backend: str = "auto") -> torch.Tensor:
+    """transformers' RT-DETRv2 / D-FINE / DEIMv2 function: locations (B, Q, M, sum(P_l), 2), weights
+    (B, Q, M, sum(P_l)). Only ``method="default"`` with equal P_l (ValueError otherwise)."""
+    reason = v2_unsupported(num_points_list, method)
+    if reason:
+        raise ValueError(f"multi_scale_deformable_attention_v2: {reason}")
+    return run_op(value, value_spatial_shapes, None, sampling_locations, attention_weights, backend=backend)
+
+
+def _ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, im2col_step):
+    return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
+
+
+def _ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_loc, attn_weight, grad_output,
+                             im2col_step):
+    return list(torch.ops.msda.deform_attn_backward(grad_output, value, spatial_shapes, level_start_index,
+                                                    sampling_loc, attn_weight, backend="auto", grad_accum="auto"))
+
+
+def _absent(name: str) -> bool:
+    """No module of that name is imported or installed. A submodule is looked up in its package's folders
+    without importing the package (detrex's __init__ itself imports detrex._C); no package, nothing to shim."""
+    if name in sys.modules:
+        return False
+    parent, _, child = name.rpartition(".")
+    if not parent:
+        return importlib.util.find_spec(name) is None
+    spec = importlib.util.find_spec(parent)
+    locations = spec.submodule_search_locations if spec else None
+    return bool(locations) and importlib.machinery.PathFinder.find_spec(child, list(locations)) is None
+
+
+def install_extension_shim(*, detrex: bool = False) -> list:
+    """Register, in ``sys.modules``, msda as the compiled extension that Deformable DETR, Mask2Former and their
+    forks import as ``MultiScaleDeformableAttention`` (``ms_deform_attn_forward``, ``ms_deform_attn_backward``),
+    so their code runs unmodified with nothing compiled. ``detrex=True`` also registers ``detrex._C`` (same two
+    functions, not detrex's DCNv3 ones), when detrex is installed without it; call this before ``import detrex``.
+    Only where no real module is found; returns the names registered. Opt-in: importing msda does not do it."""
+    shim = types.ModuleType("MultiScaleDeformableAttention", "msda's stand-in for the compiled MSDA extension")
+    shim.ms_deform_attn_forward = _ms_deform_attn_forward
+    shim.ms_deform_attn_backward = _ms_deform_attn_backward
+    names = ["MultiScaleDeformableAttention"] + (["detrex._C"] if detrex else [])
+    registered = [name for name in names if _absent(name)]
+    for name in registered:
+        sys.modules[name] = shim
+    return registered

@@ -1,0 +1,188 @@
+"""The drop-in functions and the extension shim: the published formula in float64, every accepted input form,
+backend selection, and the extension's own calling convention."""
+
+import sys
+
+import pytest
+import torch
+from published import deformable_attention
+
+import msda_core
+import msda_testkit as kit
+from msda_core import compat
+
+FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
+
+
+def _inputs(name="out_of_bounds"):
+    """Random locations, some off the maps; in float64 none sits on a pixel knot (probability 0)."""
+    inputs = kit.make_inputs(kit.case(name), torch.float64)
+    for arg in kit.DIFFERENTIABLE:
+        inputs[arg].requires_grad_()
+    return inputs
+
+
+def _check_against_published(output, inputs):
+    """Output and the three gradients equal the published formula's, through autograd on both sides."""
+    shapes = [tuple(s) for s in inputs["spatial_shapes"].tolist()]
+    expected = deformable_attention(inputs["value"], shapes, inputs["sampling_locations"], inputs["attention_weights"])
+    kit.assert_close("output", output, expected, FORWARD)
+    grad_output = kit.grad_output_for(inputs)
+    leaves = [inputs[arg] for arg in kit.DIFFERENTIABLE]
+    for name, actual, wanted in zip(kit.DIFFERENTIABLE, torch.autograd.grad(output, leaves, grad_output),
+                                    torch.autograd.grad(expected, leaves, grad_output)):
+        kit.assert_close(f"grad {name}", actual, wanted, GRADIENT)
+
+
+@pytest.mark.parametrize("level_start", ["tensor", "none"])
+def test_function_apply_matches_the_published_formula(level_start):
+    inputs = _inputs()
+    starts = inputs["level_start_index"] if level_start == "tensor" else None
+    output = compat.MSDeformAttnFunction.apply(inputs["value"], inputs["spatial_shapes"], starts,
+                                               inputs["sampling_locations"], inputs["attention_weights"], 7)
+    _check_against_published(output, inputs)  # im2col_step 7 divides no batch size: ignored
+
+
+def test_function_aliases_are_one_object():
+    assert compat.MultiScaleDeformableAttnFunction is compat.MSDeformAttnFunction
+    assert compat.MultiScaleDeformableAttentionFunction is compat.MSDeformAttnFunction
+    assert compat.ms_deform_attn_core_pytorch is compat.multi_scale_deformable_attn_pytorch
+    assert compat.multi_scale_deformable_attention is compat.multi_scale_deformable_attn_pytorch
+
+
+@pytest.mark.parametrize("shapes_as", ["tensor", "list"])
+@pytest.mark.parametrize("rank", [6, 5])
+def test_pytorch_function_takes_shape_lists_and_folded_levels(shapes_as, rank):
+    inputs = _inputs("many_levels_points")
+    shapes = inputs["spatial_shapes"] if shapes_as == "tensor" else inputs["spatial_shapes"].tolist()
+    loc, weights = inputs["sampling_locations"], inputs["attention_weights"]
+    if rank == 5:  # ultralytics 8.4 and RT-DETRv2: (B, Q, M, L*P, 2), level-major; weights (B, Q, M, L*P)
+        loc, weights = loc.flatten(3, 4), weights.flatten(3, 4)
+    _check_against_published(compat.multi_scale_deformable_attn_pytorch(inputs["value"], shapes, loc, weights), inputs)
+
+
+def test_folded_locations_must_split_evenly_into_levels():
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+    loc = inputs["sampling_locations"].flatten(3, 4)[:, :, :, :3]  # L = 2 levels, 3 points
+    with pytest.raises(ValueError, match=r"sampling_locations: expected shape \(B, Q, M, L\*P, 2\) with L\*P a "
+                                         r"multiple of L = 2, got \(1, 2, 2, 3, 2\)"):
+        compat.multi_scale_deformable_attn_pytorch(inputs["value"], inputs["spatial_shapes"], loc,
+                                                   inputs["attention_weights"].flatten(3, 4)[..., :3])
+
+
+def test_a_shape_list_becomes_one_reusable_tensor_made_outside_inference_mode():
+    shapes = [(6, 4), (3, 2)]
+    with torch.inference_mode():
+        first = compat.level_shapes(shapes, "cpu")
+    assert not first.is_inference()  # it may be saved for backward by a later training call
+    assert compat.level_shapes([[6, 4], [3, 2]], torch.device("cpu")) is first
+    assert first.dtype == torch.int64 and first.tolist() == [[6, 4], [3, 2]]
+
+
+def test_v2_function_serves_equal_points_and_default_method_only():
+    inputs = _inputs("tiny")
+    args = (inputs["value"], inputs["spatial_shapes"].tolist(), inputs["sampling_locations"].flatten(3, 4),
+            inputs["attention_weights"].flatten(3, 4))
+    _check_against_published(compat.multi_scale_deformable_attention_v2(*args, [2, 2], "default"), inputs)
+    with pytest.raises(ValueError, match=r"num_points_list=\[3, 1\]: msda needs the same number of points"):
+        compat.multi_scale_deformable_attention_v2(*args, [3, 1])
+    with pytest.raises(ValueError, match="method='discrete': msda samples bilinearly"):
+        compat.multi_scale_deformable_attention_v2(*args, [2, 2], "discrete")
+
+
+def test_autocast_dtypes_are_brought_to_a_pair_the_op_takes():
+    """bf16 value and weights beside fp32 locations (as autocast leaves them): the weights go to fp32."""
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+    value = inputs["value"].to(torch.bfloat16)
+    out = compat.multi_scale_deformable_attn_pytorch(value, inputs["spatial_shapes"],
+                                                     inputs["sampling_locations"].float(),
+                                                     inputs["attention_weights"].to(torch.bfloat16))
+    expected = deformable_attention(value.double(), [(6, 4), (3, 2)], inputs["sampling_locations"].float().double(),
+                                    inputs["attention_weights"].to(torch.bfloat16).double())
+    assert out.dtype == torch.bfloat16
+    kit.assert_close("output", out, expected, kit.tolerance(torch.bfloat16, "forward"))
+
+
+def test_backend_selection_applies():
+    """use_backend and backend= both reach the op: a recording backend sees the calls."""
+    ran = []
+    gather = msda_core.backends()["gather"]
+
+    def forward(*args):
+        ran.append("forward")
+        return gather.forward(*args)
+
+    msda_core.register(msda_core.Backend("recording", forward, gather.backward, devices=frozenset({"cpu"}),
+                                         dtypes=gather.dtypes))
+    try:
+        inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+        args = (inputs["value"], inputs["spatial_shapes"], inputs["sampling_locations"], inputs["attention_weights"])
+        with msda_core.use_backend("recording"):
+            compat.multi_scale_deformable_attn_pytorch(*args)
+        compat.multi_scale_deformable_attn_pytorch(*args, backend="recording")
+        compat.MSDeformAttnFunction.apply(*args[:2], None, *args[2:], 64, backend="recording")
+        assert ran == ["forward"] * 3
+    finally:
+        msda_core.unregister("recording")
+
+
+class _DeformableDetrFunction(torch.autograd.Function):
+    """The calling convention of Deformable DETR's Function over its compiled extension, as its source has it:
+    forward and backward of the extension module imported by name."""
+
+    @staticmethod
+    def forward(ctx, value, shapes, starts, loc, weights, im2col_step):
+        import MultiScaleDeformableAttention as MSDA
+        ctx.im2col_step = im2col_step
+        ctx.save_for_backward(value, shapes, starts, loc, weights)
+        return MSDA.ms_deform_attn_forward(value, shapes, starts, loc, weights, im2col_step)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        import MultiScaleDeformableAttention as MSDA
+        value, shapes, starts, loc, weights = ctx.saved_tensors
+        grad_value, grad_loc, grad_weights = MSDA.ms_deform_attn_backward(value, shapes, starts, loc, weights,
+                                                                          grad_output.contiguous(), ctx.im2col_step)
+        return grad_value, None, None, grad_loc, grad_weights, None
+
+
+@pytest.fixture
+def clean_modules():
+    """Leave sys.modules as it was: the shim registers names for the whole process."""
+    before = dict(sys.modules)
+    yield
+    for name in set(sys.modules) - set(before):
+        del sys.modules[name]
+
+
+def test_extension_shim_runs_deformable_detr_code_unmodified(clean_modules):
+    assert "MultiScaleDeformableAttention" not in sys.modules
+    assert compat.install_extension_shim() == ["MultiScaleDeformableAttention"]
+    assert compat.install_extension_shim() == []  # present now: left as it is
+    inputs = _inputs()
+    output = _DeformableDetrFunction.apply(*(inputs[arg] for arg in kit.ARGUMENTS), 64)
+    _check_against_published(output, inputs)
+
+
+def test_extension_shim_for_detrex_goes_in_before_detrex_imports_it(tmp_path, monkeypatch, clean_modules):
+    """A package laid out as detrex (its __init__ imports detrex._C, which was never compiled)."""
+    package = tmp_path / "detrex"
+    package.mkdir()
+    (package / "__init__.py").write_text("from detrex import _C\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert compat.install_extension_shim(detrex=True) == ["MultiScaleDeformableAttention", "detrex._C"]
+    import detrex
+    assert detrex._C is sys.modules["MultiScaleDeformableAttention"]
+    assert detrex._C.ms_deform_attn_forward is compat._ms_deform_attn_forward
+
+
+def test_extension_shim_never_shadows_a_real_module(tmp_path, monkeypatch, clean_modules):
+    (tmp_path / "MultiScaleDeformableAttention.py").write_text("REAL = True\n")
+    package = tmp_path / "detrex"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_C.py").write_text("REAL = True\n")  # stands for the compiled _C*.so
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert compat.install_extension_shim(detrex=True) == []
+    assert "detrex" not in sys.modules  # looked up, not imported
