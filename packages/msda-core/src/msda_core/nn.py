@@ -1,0 +1,109 @@
+"""Modules: Deformable DETR's ``MSDeformAttn`` and transformers' parameter-free core, both running msda."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .compat import level_shapes, run_op
+
+
+class MSDeformAttn(nn.Module):
+    """Deformable DETR's multi-scale deformable attention module: the same constructor, forward,
+    ``_reset_parameters`` and parameter names (``sampling_offsets``, ``attention_weights``, ``value_proj``,
+    ``output_proj``), so its checkpoints (and Mask2Former's, DINO's) load with ``strict=True`` and give the same
+    outputs. No power-of-two head-dim warning: msda's kernels take any head dim. ``backend`` goes to the op.
+    """
+
+    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4, *,
+                 backend: str = "auto"):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model: expected a multiple of n_heads = {n_heads}, got {d_model}")
+        self.im2col_step = 64  # read by code written for the CUDA extension; msda ignores it
+        self.d_model, self.n_levels, self.n_heads, self.n_points = d_model, n_levels, n_heads, n_points
+        self.backend = backend
+        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = nn.Linear(d_model, d_model)
+        self.output_proj = nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """Deformable DETR's initialisation: offsets start on a ring, head m pointing at angle 2*pi*m/M scaled so
+        its larger coordinate is 1, point p at (p + 1) times that; uniform attention; xavier projections."""
+        nn.init.constant_(self.sampling_offsets.weight, 0.0)
+        thetas = torch.arange(self.n_heads, dtype=torch.float32) * (2.0 * math.pi / self.n_heads)
+        grid = torch.stack([thetas.cos(), thetas.sin()], -1)
+        grid = grid / grid.abs().max(-1, keepdim=True).values
+        grid = grid.view(self.n_heads, 1, 1, 2).repeat(1, self.n_levels, self.n_points, 1)
+        grid = grid * torch.arange(1, self.n_points + 1, dtype=torch.float32).view(1, 1, -1, 1)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(grid.flatten())
+        nn.init.constant_(self.attention_weights.weight, 0.0)
+        nn.init.constant_(self.attention_weights.bias, 0.0)
+        nn.init.xavier_uniform_(self.value_proj.weight)
+        nn.init.constant_(self.value_proj.bias, 0.0)
+        nn.init.xavier_uniform_(self.output_proj.weight)
+        nn.init.constant_(self.output_proj.bias, 0.0)
+
+    def forward(self, query, reference_points, input_flatten, input_spatial_shapes, input_level_start_index=None,
+                input_padding_mask=None):
+        """query (N, Len_q, C); reference_points (N, Len_q, L or 1, 2) normalized points, or (..., 4) boxes
+        (cx, cy, w, h); input_flatten (N, S, C); input_spatial_shapes (L, 2) tensor or list of (H, W);
+        input_padding_mask (N, S), True at padding. Returns (N, Len_q, C)."""
+        N, Len_q = query.shape[:2]
+        S = input_flatten.shape[1]
+        M, L, P = self.n_heads, self.n_levels, self.n_points
+        _check_shape("query", query, "(N, Len_q, d_model)", (N, Len_q, self.d_model))
+        _check_shape("input_flatten", input_flatten, "(N, S, d_model)", (N, S, self.d_model))
+        if (reference_points.dim() != 4 or tuple(reference_points.shape[:2]) != (N, Len_q)
+                or reference_points.shape[2] not in (L, 1) or reference_points.shape[3] not in (2, 4)):
+            raise ValueError(f"reference_points: expected shape (N, Len_q, L or 1, 2 or 4) with (N, Len_q, L) = "
+                             f"{(N, Len_q, L)}, got {tuple(reference_points.shape)}")
+        shapes = level_shapes(input_spatial_shapes, query.device)
+        if tuple(shapes.shape) != (L, 2):
+            raise ValueError(f"input_spatial_shapes: expected (H, W) of n_levels = {L} levels, got shape "
+                             f"{tuple(shapes.shape)}")
+
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            _check_shape("input_padding_mask", input_padding_mask, "(N, S)", (N, S))
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(N, S, M, self.d_model // M)
+        offsets = self.sampling_offsets(query).view(N, Len_q, M, L, P, 2)
+        weights = self.attention_weights(query).view(N, Len_q, M, L * P).softmax(-1).view(N, Len_q, M, L, P)
+        reference = reference_points[:, :, None, :, None, :]
+        if reference_points.shape[-1] == 2:  # offsets are in pixels of each level
+            normalizer = torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(offsets.dtype)  # (W, H)
+            locations = reference + offsets / normalizer[None, None, None, :, None, :]
+        else:  # offsets are in units of the box's half size, per point
+            locations = reference[..., :2] + offsets / P * reference[..., 2:] * 0.5
+        output = run_op(value, shapes, input_level_start_index, locations, weights, backend=self.backend)
+        return self.output_proj(output)
+
+
+def _check_shape(arg, tensor, names, expected):
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{arg}: expected shape {names} = {tuple(expected)}, got {tuple(tensor.shape)}")
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """transformers' parameter-free core of ten detector families, with its forward signature; ``patch`` puts one
+    in place of each. ``calls`` counts forwards, so a caller can see that msda ran."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+        self.calls = 0
+
+    def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
+                attention_weights, im2col_step=None):
+        """value (B, S, M, D), locations (B, Q, M, L, P, 2), weights (B, Q, M, L, P) -> (B, Q, M*D); im2col_step
+        ignored. The tensor of shapes is used (it is on the device); the list only when no tensor is given."""
+        self.calls += 1
+        shapes = value_spatial_shapes if value_spatial_shapes is not None else value_spatial_shapes_list
+        return run_op(value, shapes, level_start_index, sampling_locations, attention_weights,
+                           backend=self.backend)
