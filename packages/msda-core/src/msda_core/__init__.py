@@ -20,6 +20,9 @@ from .registry import (
     use_backend,
 )
 
+from . import compat, nn
+from .patching import PatchReport, patch, unpatch
+
 __version__ = "0.1.0"
 
 
@@ -33,3 +36,4 @@ __all__ = [
     "Backend", "BackendUnavailableError", "Inputs", "Request", "backends", "deform_attn", "load_errors",
     "output_shape", "register", "request", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
 ]
+__all__ += ["PatchReport", "compat", "nn", "patch", "unpatch"]

@@ -1,0 +1,184 @@
+"""patch / unpatch on a plain-torch model: a Deformable-DETR-style fork (its forward calls a
+``MSDeformAttnFunction`` global, as the forks do), msda's own module and an unrecognised one; the report,
+float64 equality before and after, untouched parameters, exact restoration, and the errors."""
+
+import pytest
+import torch
+from published import checkpoint, deformable_attention, sampling_inputs
+from torch import nn
+
+import msda_core
+import msda_testkit as kit
+from msda_core import patching
+
+FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
+C, L, M, P = 16, 2, 4, 2
+SHAPES = [(5, 6), (3, 2)]
+
+
+class MSDeformAttnFunction:
+    """Stands for the compiled extension's Function the forks import (here the published formula on the CPU)."""
+
+    @staticmethod
+    def apply(value, shapes, starts, loc, weights, im2col_step):
+        return deformable_attention(value, [tuple(s) for s in shapes.tolist()], loc, weights)
+
+
+class MSDeformAttn(nn.Module):
+    """A Deformable DETR fork's module: its own parameters, and a forward that calls the global above."""
+
+    def __init__(self):
+        super().__init__()
+        self.im2col_step, self.n_heads, self.n_levels, self.n_points = 64, M, L, P
+        self.sampling_offsets = nn.Linear(C, M * L * P * 2)
+        self.attention_weights = nn.Linear(C, M * L * P)
+        self.value_proj = nn.Linear(C, C)
+        self.output_proj = nn.Linear(C, C)
+
+    def forward(self, query, reference_points, input_flatten, shapes, starts):
+        value, loc, weights = sampling_inputs(dict(self.named_parameters()), M, L, P, query, reference_points,
+                                              input_flatten, SHAPES)
+        return self.output_proj(MSDeformAttnFunction.apply(value, shapes, starts, loc, weights, self.im2col_step))
+
+
+class Unrecognised(MSDeformAttn):
+    """Deformable DETR's layout, but a forward that calls nothing msda knows."""
+
+    def forward(self, query, reference_points, input_flatten, shapes, starts):
+        value, loc, weights = sampling_inputs(dict(self.named_parameters()), M, L, P, query, reference_points,
+                                              input_flatten, SHAPES)
+        return self.output_proj(deformable_attention(value, SHAPES, loc, weights))
+
+
+class Detector(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        self.fork, self.ours, self.unknown = MSDeformAttn(), msda_core.nn.MSDeformAttn(C, L, M, P), Unrecognised()
+        for i, module in enumerate((self.fork, self.ours, self.unknown)):
+            module.load_state_dict(checkpoint(C, L, M, P, seed=seed + i))  # offsets spread off the pixel knots
+        self.double()
+
+    def forward(self, query, reference_points, input_flatten, shapes, starts):
+        args = (query, reference_points, input_flatten, shapes, starts)
+        return self.fork(*args) + self.ours(*args) + self.unknown(*args)
+
+
+def _inputs(N=2, Len_q=4):
+    g = torch.Generator().manual_seed(7)
+    S = sum(h * w for h, w in SHAPES)
+    return (torch.randn(N, Len_q, C, generator=g, dtype=torch.float64),
+            torch.rand(N, Len_q, L, 2, generator=g, dtype=torch.float64),
+            torch.randn(N, S, C, generator=g, dtype=torch.float64),
+            torch.tensor(SHAPES), torch.tensor([0, 30]))
+
+
+def _run(model):
+    output = model(*_inputs())
+    grads = torch.autograd.grad(output, list(model.parameters()), torch.ones_like(output))
+    return output, dict(zip((name for name, _ in model.named_parameters()), grads))
+
+
+def test_patch_reports_what_it_patched_and_what_it_left_alone():
+    model = Detector()
+    with msda_core.patch(model) as report:
+        assert [(p.name, p.mechanism) for p in report.patched] == [("fork", "global: test_patch.MSDeformAttnFunction")]
+        assert [(e.name, e.reason) for e in report.left_alone] == [
+            ("ours", "already msda (its backend= applies)"),
+            ("unknown", "Deformable DETR's layout, but its forward calls nothing msda recognises")]
+        text = str(report)
+    assert text.splitlines()[0] == "msda_core.patch(Detector, backend='auto'): 1 patched, 2 left alone"
+    assert "patched fork (test_patch.MSDeformAttn): global: test_patch.MSDeformAttnFunction" in text
+
+
+def test_patched_model_equals_the_original_and_keeps_its_parameters():
+    model = Detector()
+    before = model.state_dict(keep_vars=True)
+    expected, expected_grads = _run(model)
+    original = MSDeformAttnFunction
+    report = msda_core.patch(model)
+    assert isinstance(MSDeformAttnFunction, patching._Counted)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    output, grads = _run(model)
+    assert report.calls == report.patched[0].calls == 1  # the fork ran through msda
+    kit.assert_close("output", output, expected, FORWARD)
+    for name in expected_grads:
+        kit.assert_close(f"grad {name}", grads[name], expected_grads[name], GRADIENT)
+    msda_core.unpatch(model)
+    assert MSDeformAttnFunction is original and "_msda_patch" not in vars(model)
+    assert all(model.state_dict(keep_vars=True)[k] is before[k] for k in before)
+
+
+def test_a_global_stays_patched_until_its_last_model_is_unpatched():
+    first, second = Detector(), Detector(seed=5)
+    original = MSDeformAttnFunction
+    msda_core.patch(first)
+    msda_core.patch(second)
+    msda_core.unpatch(first)
+    assert isinstance(MSDeformAttnFunction, patching._Counted)
+    msda_core.unpatch(second)
+    assert MSDeformAttnFunction is original
+
+
+def test_a_global_runs_one_backend_per_process():
+    first, second = Detector(), Detector()
+    with msda_core.patch(first, backend="gather"):
+        with pytest.raises(ValueError, match="backend: expected 'gather', the backend another patched model runs "
+                                             "test_patch.MSDeformAttnFunction with"):
+            msda_core.patch(second, backend="grid_sample")
+        assert "_msda_patch" not in vars(second)
+    assert not isinstance(MSDeformAttnFunction, patching._Counted)
+
+
+def test_backend_reaches_the_op():
+    model = Detector()
+    with msda_core.patch(model, backend="no_such_backend"):
+        with pytest.raises(msda_core.BackendUnavailableError, match="no_such_backend"):
+            model.fork(*_inputs())
+
+
+def test_errors():
+    plain = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"model: expected a multi-scale deformable attention msda can serve "
+                                         r"\(strict=True\), found none in Sequential"):
+        msda_core.patch(plain, strict=True)
+    assert "_msda_patch" not in vars(plain)
+    assert not msda_core.patch(plain).patched
+    with pytest.raises(ValueError, match="model: expected a model not patched yet, got a patched Sequential"):
+        msda_core.patch(plain)
+    msda_core.unpatch(plain)
+    with pytest.raises(ValueError, match="model: expected a model patched by msda_core.patch, got an unpatched"):
+        msda_core.unpatch(plain)
+
+
+class _V2Caller(nn.Module):
+    """D-FINE's arrangement: the core function is an instance attribute, the settings beside it."""
+
+    def __init__(self, num_points_list, method="default"):
+        super().__init__()
+        self.num_points_list, self.decoder_method = num_points_list, method
+        self.ms_deformable_attn_core = self.original
+
+    @staticmethod
+    def original(*args):
+        return "original"
+
+
+def test_v2_callers_are_patched_only_where_msda_can_serve_them():
+    served, points, discrete = _V2Caller([2, 2]), _V2Caller([3, 1]), _V2Caller([2, 2], "discrete")
+    report = msda_core.patch(nn.ModuleList([served, points, discrete]))
+    assert [(p.name, p.mechanism) for p in report.patched] == [("0", "attribute: ms_deformable_attn_core")]
+    assert [(e.name, e.reason) for e in report.left_alone] == [
+        ("1", "num_points_list=[3, 1]: msda needs the same number of points on every level"),
+        ("2", "method='discrete': msda samples bilinearly (method='default') only")]
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+    args = (inputs["value"], [(6, 4), (3, 2)], inputs["sampling_locations"].flatten(3, 4),
+            inputs["attention_weights"].flatten(3, 4))
+    assert served.ms_deformable_attn_core(*args, [2, 2], "discrete") == "original"  # decided per call too
+    assert report.calls == 0
+    expected = deformable_attention(inputs["value"], [(6, 4), (3, 2)], inputs["sampling_locations"],
+                                    inputs["attention_weights"])
+    kit.assert_close("output", served.ms_deformable_attn_core(*args, [2, 2], "default"), expected, FORWARD)
+    assert report.calls == 1
+    msda_core.unpatch(report.model)
+    assert served.ms_deformable_attn_core == served.original
