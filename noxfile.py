@@ -88,3 +88,18 @@ def bench(session):
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_testkit.bench", *session.posargs)
     session.run("python", "-m", "msda_testkit.overhead", "--calls", "500")  # the host floor, from the same run
+
+
+# PyPI's torchvision, which ultralytics needs, does not import beside torch 2.13.0: these two are a pair.
+INTEGRATIONS_TORCH = ("torch==2.14.1", "torchvision==0.29.1")
+INTEGRATIONS_LIBRARIES = ("transformers==5.24.0", "ultralytics==8.4.190")  # the versions integrations/ was read from
+
+
+@nox.session
+def integrations(session):
+    """msda_core.patch on real transformers and ultralytics models, float64 on the CPU (integrations/); its GPU test
+    skips without CUDA."""
+    session.install(*INTEGRATIONS_TORCH)
+    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=70.1")
+    install_ours(session, "msda-core", "msda-reference", "msda-testkit")
+    session.run("pytest", "-q", "-rs", "integrations", *session.posargs)
