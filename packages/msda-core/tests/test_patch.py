@@ -182,3 +182,20 @@ def test_v2_callers_are_patched_only_where_msda_can_serve_them():
     assert report.calls == 1
     msda_core.unpatch(report.model)
     assert served.ms_deformable_attn_core == served.original
+
+
+def test_counting_does_not_recompile_under_torch_compile():
+    """The call counters are eager-only: one dynamo sees changing would recompile the graph on every call."""
+    model = Detector()
+    torch.compiler.reset()
+    core = msda_core.nn.MultiScaleDeformableAttention()  # what replaces transformers' cores
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
+    core_args = (inputs["value"], inputs["spatial_shapes"], None, inputs["level_start_index"],
+                 inputs["sampling_locations"], inputs["attention_weights"])
+    with msda_core.patch(model) as report, torch._dynamo.config.patch(error_on_recompile=True):
+        compiled, compiled_core = torch.compile(model.fork, backend="eager"), torch.compile(core, backend="eager")
+        for _ in range(3):
+            compiled(*_inputs())
+            compiled_core(*core_args)
+        assert report.calls == core.calls == 0
+    torch.compiler.reset()

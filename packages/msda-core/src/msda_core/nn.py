@@ -92,7 +92,8 @@ def _check_shape(arg, tensor, names, expected):
 
 class MultiScaleDeformableAttention(nn.Module):
     """transformers' parameter-free core of ten detector families, with its forward signature; ``patch`` puts one
-    in place of each. ``calls`` counts forwards, so a caller can see that msda ran."""
+    in place of each. ``calls`` counts eager forwards, so a caller can see that msda ran (not those inside
+    torch.compile'd code: a counter dynamo sees changing would recompile the graph on every call)."""
 
     def __init__(self, backend: str = "auto"):
         super().__init__()
@@ -103,7 +104,8 @@ class MultiScaleDeformableAttention(nn.Module):
                 attention_weights, im2col_step=None):
         """value (B, S, M, D), locations (B, Q, M, L, P, 2), weights (B, Q, M, L, P) -> (B, Q, M*D); im2col_step
         ignored. The tensor of shapes is used (it is on the device); the list only when no tensor is given."""
-        self.calls += 1
+        if not torch.compiler.is_compiling():
+            self.calls += 1
         shapes = value_spatial_shapes if value_spatial_shapes is not None else value_spatial_shapes_list
         return run_op(value, shapes, level_start_index, sampling_locations, attention_weights,
                            backend=self.backend)

@@ -26,6 +26,7 @@ import dis
 import inspect
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from . import compat
@@ -49,13 +50,15 @@ _REPORT_ATTRIBUTE = "_msda_patch"  # where a patched model keeps its report (not
 
 
 class _Counted:
-    """What replaces a global or attribute: msda with the patch's backend; counts its calls."""
+    """What replaces a global or attribute: msda with the patch's backend; counts its eager calls (as
+    nn.MultiScaleDeformableAttention does)."""
 
     def __init__(self, fn, backend):
         self.fn, self.backend, self.calls = fn, backend, 0
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
+        if not torch.compiler.is_compiling():
+            self.calls += 1
         return self.fn(*args, backend=self.backend, **kwargs)
 
     def apply(self, *args, **kwargs):  # Function-style globals are called as X.apply(...)
