@@ -33,7 +33,7 @@ from . import compat
 from .nn import MSDeformAttn, MultiScaleDeformableAttention
 
 _V2 = "multi_scale_deformable_attention_v2"
-# A global that some forward calls -> what replaces it (the v2 function is guarded: _CountedV2).
+# A global that some forward calls -> what serves it (the v2 one through _CountedV2, which guards it).
 _GLOBALS = {
     "MSDeformAttnFunction": compat.MSDeformAttnFunction.apply,
     "MultiScaleDeformableAttnFunction": compat.MSDeformAttnFunction.apply,
@@ -207,49 +207,66 @@ def _forward_globals(module):
 
 
 def _patch_module(report: PatchReport, name: str, module: nn.Module) -> None:
-    backend = report.backend
     if isinstance(module, (MSDeformAttn, MultiScaleDeformableAttention)):
         report.left_alone.append(LeftAlone(name, _class_name(module), "already msda (its backend= applies)"))
         return
-    handled = False
-    for child_name, child in module.named_children():
-        if not _is_transformers_core(child):
-            continue
-        handled = True
-        if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
-            report.left_alone.append(LeftAlone(_join(name, child_name), _class_name(child),
-                                               "has parameters or buffers: not the stateless core msda replaces"))
-            continue
-        replacement = MultiScaleDeformableAttention(backend)
-        setattr(module, child_name, replacement)
-        report._undo.append(("child", module, child_name, child))
-        report.patched.append(Patched(_join(name, child_name), _class_name(child),
-                                      "child: replaced by msda_core.nn.MultiScaleDeformableAttention", replacement))
     namespace, names = _forward_globals(module)
     reason = _v2_reason(module) if _CORE_ATTRIBUTE in vars(module) or _V2 in names else None
-    if _CORE_ATTRIBUTE in vars(module):
-        handled = True
-        if reason:
-            report.left_alone.append(LeftAlone(name, _class_name(module), reason))
-        else:
-            original = vars(module)[_CORE_ATTRIBUTE]
-            replacement = _CountedV2(original, backend)
-            setattr(module, _CORE_ATTRIBUTE, replacement)
-            report._undo.append(("attribute", module, original))
-            report.patched.append(Patched(name, _class_name(module), f"attribute: {_CORE_ATTRIBUTE}", replacement))
-    for global_name in names:
-        handled = True
-        if global_name == _V2 and reason:
-            report.left_alone.append(LeftAlone(name, _class_name(module), reason))
-            continue
-        entry = _acquire_global(namespace, global_name, backend)
-        report._undo.append(("global", entry))
-        report.patched.append(Patched(name, _class_name(module),
-                                      f"global: {namespace.get('__name__')}.{global_name}", entry.replacement))
+    handled = _patch_children(report, name, module)
+    handled = _patch_attribute(report, name, module, reason) or handled
+    handled = _patch_globals(report, name, module, namespace, names, reason) or handled
     if not handled and isinstance(getattr(module, "sampling_offsets", None), nn.Linear) and isinstance(
             getattr(module, "attention_weights", None), nn.Linear):
         report.left_alone.append(LeftAlone(name, _class_name(module), "Deformable DETR's layout, but its forward "
                                            "calls nothing msda recognises"))
+
+
+def _patch_children(report: PatchReport, name: str, module: nn.Module) -> bool:
+    """Replace each of transformers' stateless cores among the module's children; True if it has any."""
+    found = False
+    for child_name, child in module.named_children():
+        if not _is_transformers_core(child):
+            continue
+        found = True
+        if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+            report.left_alone.append(LeftAlone(_join(name, child_name), _class_name(child),
+                                               "has parameters or buffers: not the stateless core msda replaces"))
+            continue
+        replacement = MultiScaleDeformableAttention(report.backend)
+        setattr(module, child_name, replacement)
+        report._undo.append(("child", module, child_name, child))
+        report.patched.append(Patched(_join(name, child_name), _class_name(child),
+                                      "child: replaced by msda_core.nn.MultiScaleDeformableAttention", replacement))
+    return found
+
+
+def _patch_attribute(report: PatchReport, name: str, module: nn.Module, reason: str | None) -> bool:
+    """Replace a D-FINE-style per-instance core function unless ``reason``; True if the module has one."""
+    if _CORE_ATTRIBUTE not in vars(module):
+        return False
+    if reason:
+        report.left_alone.append(LeftAlone(name, _class_name(module), reason))
+        return True
+    original = vars(module)[_CORE_ATTRIBUTE]
+    replacement = _CountedV2(original, report.backend)
+    setattr(module, _CORE_ATTRIBUTE, replacement)
+    report._undo.append(("attribute", module, original))
+    report.patched.append(Patched(name, _class_name(module), f"attribute: {_CORE_ATTRIBUTE}", replacement))
+    return True
+
+
+def _patch_globals(report: PatchReport, name: str, module: nn.Module, namespace: dict, names: list,
+                   reason: str | None) -> bool:
+    """Acquire each known global the module's forward calls (the v2 one unless ``reason``); True if any."""
+    for global_name in names:
+        if global_name == _V2 and reason:
+            report.left_alone.append(LeftAlone(name, _class_name(module), reason))
+            continue
+        entry = _acquire_global(namespace, global_name, report.backend)
+        report._undo.append(("global", entry))
+        report.patched.append(Patched(name, _class_name(module),
+                                      f"global: {namespace.get('__name__')}.{global_name}", entry.replacement))
+    return bool(names)
 
 
 def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> PatchReport:
