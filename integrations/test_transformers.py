@@ -26,8 +26,8 @@ def _resnet():
 
 
 def _hgnet(out_features=("stage2", "stage3", "stage4")):
-    return T.HGNetV2Config(embedding_size=8, depths=[1, 1, 1, 1], hidden_sizes=[16, 16, 32, 32], stem_channels=[3, 8, 8],
-                           stage_in_channels=[8, 16, 16, 32], stage_mid_channels=[8, 8, 8, 8],
+    return T.HGNetV2Config(embedding_size=8, depths=[1, 1, 1, 1], hidden_sizes=[16, 16, 32, 32],
+                           stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 16, 32], stage_mid_channels=[8, 8, 8, 8],
                            stage_out_channels=[16, 16, 32, 32], stage_num_blocks=[1, 1, 1, 1],
                            stage_light_block=[False, False, True, True], stage_kernel_size=[3, 3, 3, 3],
                            stage_numb_of_layers=[1, 1, 1, 1], out_features=list(out_features))
@@ -86,7 +86,8 @@ def _empty_language_caches(model, args):
 FAMILIES = {  # family -> (builder of (model, inputs), the mechanism patch must use)
     "deformable_detr": (lambda: (T.DeformableDetrModel(T.DeformableDetrConfig(**DETR, use_timm_backbone=False)),
                                  dict(pixel_values=_image())), "child"),
-    "grounding_dino": (lambda: (T.GroundingDinoModel(T.GroundingDinoConfig(**DETR, text_config=_bert(), max_text_len=8)),
+    "grounding_dino": (lambda: (T.GroundingDinoModel(T.GroundingDinoConfig(**DETR, text_config=_bert(),
+                                                                            max_text_len=8)),
                                 dict(pixel_values=_image(), input_ids=_ids(1, 6))), "child"),
     "mm_grounding_dino": (lambda: (T.MMGroundingDinoModel(T.MMGroundingDinoConfig(**DETR, text_config=_bert(),
                                                                                   max_text_len=8)),

@@ -10,7 +10,7 @@ def deformable_attention(value, shapes, locations, weights):
     (B, Q, M, L, P) -> (B, Q, M*D): per level, bilinear samples with zeros outside (grid_sample at 2*loc - 1,
     align_corners=False), times the weights, summed over levels and points."""
     B, S, M, D = value.shape
-    Q, L, P = locations.shape[1], locations.shape[3], locations.shape[4]
+    Q, P = locations.shape[1], locations.shape[4]
     out, start = 0, 0
     for level, (H, W) in enumerate(shapes):
         v = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(B * M, D, H, W)
@@ -51,7 +51,8 @@ def sampling_inputs(state, n_heads, n_levels, n_points, query, reference_points,
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
     value = value.view(N, S, M, C // M)
-    offsets = F.linear(query, state["sampling_offsets.weight"], state["sampling_offsets.bias"]).view(N, Len_q, M, L, P, 2)
+    offsets = F.linear(query, state["sampling_offsets.weight"], state["sampling_offsets.bias"])
+    offsets = offsets.view(N, Len_q, M, L, P, 2)
     weights = F.linear(query, state["attention_weights.weight"], state["attention_weights.bias"])
     weights = weights.view(N, Len_q, M, L * P).softmax(-1).view(N, Len_q, M, L, P)
     if reference_points.shape[-1] == 2:  # offsets in pixels of each level: divide by (W_l, H_l)

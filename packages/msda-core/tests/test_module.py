@@ -110,7 +110,8 @@ def test_argument_errors_name_the_argument_the_expectation_and_the_value():
         module(query, torch.rand(2, 5, L, 3, dtype=torch.float64), flat, shapes)
     with pytest.raises(ValueError, match=r"reference_points: .*got \(2, 5, 3, 2\)"):
         module(query, torch.rand(2, 5, 3, 2, dtype=torch.float64), flat, shapes)
-    with pytest.raises(ValueError, match=r"query: expected shape \(N, Len_q, d_model\) = \(2, 5, 16\), got \(2, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"query: expected shape \(N, Len_q, d_model\) = \(2, 5, 16\), got "
+                                         r"\(2, 5, 8\)"):
         module(query[..., :8], reference, flat, shapes)
     with pytest.raises(ValueError, match=r"input_flatten: expected shape \(N, S, d_model\) = \(2, 39, 16\)"):
         module(query, reference, flat[..., :8], shapes)

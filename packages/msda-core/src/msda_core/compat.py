@@ -40,7 +40,8 @@ def level_shapes(shapes, device) -> torch.Tensor:
 
 
 def _unfold(sampling_locations, attention_weights, levels: int):
-    """Locations (B, Q, M, L*P, 2) and weights (B, Q, M, L*P), level-major, as (B, Q, M, L, P, 2) and (B, Q, M, L, P)."""
+    """Locations (B, Q, M, L*P, 2) and weights (B, Q, M, L*P), level-major, as (B, Q, M, L, P, 2) and
+    (B, Q, M, L, P)."""
     if sampling_locations.dim() == 5:
         LP = sampling_locations.shape[3]
         if LP % levels:
@@ -62,7 +63,7 @@ def _op_dtypes(value, sampling_locations, attention_weights):
 
 
 def run_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto") -> torch.Tensor:
     """The op, after the conversions above; (B, Q, M*D). Every replacement in this package ends here."""
     spatial_shapes = level_shapes(spatial_shapes, value.device)
     sampling_locations, attention_weights = _unfold(sampling_locations, attention_weights, spatial_shapes.shape[0])
