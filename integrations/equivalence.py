@@ -122,10 +122,11 @@ class Result:
 
 
 def check_patched_equals_unpatched(model: nn.Module, inputs: dict) -> Result:
-    """Run the model, patch it, run it through msda, unpatch; assert equality, counted calls, unchanged state."""
+    """Run the model, patch it, run it through msda, unpatch; assert equality, counted calls, the same parameters
+    and buffers throughout, and every module back in place after."""
     model.double().eval()
     randomize(model)
-    state = model.state_dict(keep_vars=True)
+    state, modules = model.state_dict(keep_vars=True), list(model.named_modules())
     expected, expected_grads = forward_backward(model, inputs)
     with Recording() as recording, msda_core.use_backend(recording.name), msda_core.patch(model) as report:
         assert report.patched, str(report)
@@ -136,6 +137,7 @@ def check_patched_equals_unpatched(model: nn.Module, inputs: dict) -> Result:
     assert recording.calls > 0 and recording.calls == report.calls
     assert recording.min_knot_distance > KNOT_DISTANCE, recording.min_knot_distance
     assert "_msda_patch" not in vars(model)
+    assert [(n, id(m)) for n, m in model.named_modules()] == [(n, id(m)) for n, m in modules]  # restored exactly
     output_error = 0.0
     assert len(outputs) == len(expected)
     for i, (actual, wanted) in enumerate(zip(outputs, expected)):
