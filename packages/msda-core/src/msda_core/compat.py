@@ -35,6 +35,8 @@ def level_shapes(shapes, device) -> torch.Tensor:
             tensor = torch.tensor(key[0], dtype=torch.int64, device=device)
         if type(tensor) is not torch.Tensor:  # made under a fake or tracing mode: good for this call only
             return tensor
+        if len(_SHAPES) >= 4096:  # image sizes vary in training: bound the memo, as the registry does
+            _SHAPES.clear()
         _SHAPES[key] = tensor
     return _SHAPES[key]
 
