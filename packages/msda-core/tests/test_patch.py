@@ -2,6 +2,10 @@
 ``MSDeformAttnFunction`` global, as the forks do), msda's own module and an unrecognised one; the report,
 float64 equality before and after, untouched parameters, exact restoration, and the errors."""
 
+import copy
+import gc
+import io
+
 import pytest
 import torch
 from published import checkpoint, deformable_attention, sampling_inputs
@@ -105,7 +109,7 @@ def test_patched_model_equals_the_original_and_keeps_its_parameters():
     for name in expected_grads:
         kit.assert_close(f"grad {name}", grads[name], expected_grads[name], GRADIENT)
     msda_core.unpatch(model)
-    assert MSDeformAttnFunction is original and "_msda_patch" not in vars(model)
+    assert MSDeformAttnFunction is original and model not in patching._reports
     assert all(model.state_dict(keep_vars=True)[k] is before[k] for k in before)
 
 
@@ -120,13 +124,29 @@ def test_a_global_stays_patched_until_its_last_model_is_unpatched():
     assert MSDeformAttnFunction is original
 
 
+def test_a_patched_model_pickles_deep_copies_and_releases_its_globals_when_collected():
+    model = Detector()
+    original = MSDeformAttnFunction
+    report = msda_core.patch(model)
+    copy_ = copy.deepcopy(model)  # e.g. an EMA copy: it runs as patched, while the original is
+    _run(copy_)
+    assert report.calls == 1
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    del model, copy_, loaded
+    gc.collect()
+    assert MSDeformAttnFunction is original and report.model is None
+
+
 def test_a_global_runs_one_backend_per_process():
     first, second = Detector(), Detector()
     with msda_core.patch(first, backend="gather"):
         with pytest.raises(ValueError, match="backend: expected 'gather', the backend another patched model runs "
                                              "test_patch.MSDeformAttnFunction with"):
             msda_core.patch(second, backend="grid_sample")
-        assert "_msda_patch" not in vars(second)
+        assert second not in patching._reports
     assert not isinstance(MSDeformAttnFunction, patching._Counted)
 
 
@@ -142,7 +162,7 @@ def test_errors():
     with pytest.raises(ValueError, match=r"model: expected a multi-scale deformable attention msda can serve "
                                          r"\(strict=True\), found none in Sequential"):
         msda_core.patch(plain, strict=True)
-    assert "_msda_patch" not in vars(plain)
+    assert plain not in patching._reports
     assert not msda_core.patch(plain).patched
     with pytest.raises(ValueError, match="model: expected a model not patched yet, got a patched Sequential"):
         msda_core.patch(plain)
@@ -166,7 +186,8 @@ class _V2Caller(nn.Module):
 
 def test_v2_callers_are_patched_only_where_msda_can_serve_them():
     served, points, discrete = _V2Caller([2, 2]), _V2Caller([3, 1]), _V2Caller([2, 2], "discrete")
-    report = msda_core.patch(nn.ModuleList([served, points, discrete]))
+    model = nn.ModuleList([served, points, discrete])
+    report = msda_core.patch(model)
     assert [(p.name, p.mechanism) for p in report.patched] == [("0", "attribute: ms_deformable_attn_core")]
     assert [(e.name, e.reason) for e in report.left_alone] == [
         ("1", "num_points_list=[3, 1]: msda needs the same number of points on every level"),
@@ -180,7 +201,7 @@ def test_v2_callers_are_patched_only_where_msda_can_serve_them():
                                     inputs["attention_weights"])
     kit.assert_close("output", served.ms_deformable_attn_core(*args, [2, 2], "default"), expected, FORWARD)
     assert report.calls == 1
-    msda_core.unpatch(report.model)
+    msda_core.unpatch(model)
     assert served.ms_deformable_attn_core == served.original
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +47,10 @@ _GLOBALS = {
 # The attributes that hold a v2 caller's point counts and method: D-FINE / DEIMv2, then RT-DETRv2.
 _V2_SETTINGS = (("num_points_list", "decoder_method"), ("n_points_list", "method"))
 _CORE_ATTRIBUTE = "ms_deformable_attn_core"  # D-FINE's and DEIMv2's per-instance core function
-_REPORT_ATTRIBUTE = "_msda_patch"  # where a patched model keeps its report (not a parameter or buffer)
+# Patched model -> its report. Nothing is stored on the model, which so still pickles and deep-copies (a copy is
+# not registered: unpatch it by discarding it); the report holds it weakly, and a model collected while patched
+# releases its globals.
+_reports = weakref.WeakKeyDictionary()
 
 
 class _Counted:
@@ -110,11 +114,12 @@ def _acquire_global(namespace: dict, name: str, backend: str) -> _Global:
     return entry
 
 
-def _release_global(entry: _Global) -> None:
-    entry.users -= 1
-    if entry.users == 0:
-        entry.namespace[entry.name] = entry.original
-        del _globals[(id(entry.namespace), entry.name)]
+def _release_globals(entries: list) -> None:
+    for entry in reversed(entries):
+        entry.users -= 1
+        if entry.users == 0:
+            entry.namespace[entry.name] = entry.original
+            del _globals[(id(entry.namespace), entry.name)]
 
 
 @dataclass(frozen=True)
@@ -141,10 +146,18 @@ class PatchReport:
     As a context manager, ``with msda_core.patch(model):`` unpatches the model on exit."""
 
     def __init__(self, model: nn.Module, backend: str):
-        self.model, self.backend = model, backend
+        self._model, self._model_name, self.backend = weakref.ref(model), type(model).__name__, backend
         self.patched: list = []
         self.left_alone: list = []
-        self._undo: list = []  # ("child", parent, name, original) | ("attribute", module, original) | ("global", entry)
+        self._undo: list = []  # (weakref to a module, attribute name, original value): children and attributes
+        self._globals: list = []  # the _Global entries acquired, released once: by unpatch or with the model
+        self._release = weakref.finalize(model, _release_globals, self._globals)
+        self._release.atexit = False
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The patched model (None once it has been collected)."""
+        return self._model()
 
     @property
     def calls(self) -> int:
@@ -152,7 +165,7 @@ class PatchReport:
         return sum({id(p.replacement): p.calls for p in self.patched}.values())
 
     def __str__(self) -> str:
-        lines = [f"msda_core.patch({type(self.model).__name__}, backend={self.backend!r}): "
+        lines = [f"msda_core.patch({self._model_name}, backend={self.backend!r}): "
                  f"{len(self.patched)} patched, {len(self.left_alone)} left alone"]
         lines += [f"  patched {p.name or '<model>'} ({p.cls}): {p.mechanism}" for p in self.patched]
         lines += [f"  left alone {e.name or '<model>'} ({e.cls}): {e.reason}" for e in self.left_alone]
@@ -165,14 +178,10 @@ class PatchReport:
         unpatch(self.model)
 
     def _restore(self) -> None:
-        for record in reversed(self._undo):
-            if record[0] == "child":
-                setattr(record[1], record[2], record[3])
-            elif record[0] == "attribute":
-                setattr(record[1], _CORE_ATTRIBUTE, record[2])
-            else:
-                _release_global(record[1])
+        for module, attribute, original in reversed(self._undo):
+            setattr(module(), attribute, original)
         self._undo.clear()
+        self._release()
 
 
 def _class_name(module) -> str:
@@ -234,7 +243,7 @@ def _patch_children(report: PatchReport, name: str, module: nn.Module) -> bool:
             continue
         replacement = MultiScaleDeformableAttention(report.backend)
         setattr(module, child_name, replacement)
-        report._undo.append(("child", module, child_name, child))
+        report._undo.append((weakref.ref(module), child_name, child))
         report.patched.append(Patched(_join(name, child_name), _class_name(child),
                                       "child: replaced by msda_core.nn.MultiScaleDeformableAttention", replacement))
     return found
@@ -250,7 +259,7 @@ def _patch_attribute(report: PatchReport, name: str, module: nn.Module, reason: 
     original = vars(module)[_CORE_ATTRIBUTE]
     replacement = _CountedV2(original, report.backend)
     setattr(module, _CORE_ATTRIBUTE, replacement)
-    report._undo.append(("attribute", module, original))
+    report._undo.append((weakref.ref(module), _CORE_ATTRIBUTE, original))
     report.patched.append(Patched(name, _class_name(module), f"attribute: {_CORE_ATTRIBUTE}", replacement))
     return True
 
@@ -263,7 +272,7 @@ def _patch_globals(report: PatchReport, name: str, module: nn.Module, namespace:
             report.left_alone.append(LeftAlone(name, _class_name(module), reason))
             continue
         entry = _acquire_global(namespace, global_name, report.backend)
-        report._undo.append(("global", entry))
+        report._globals.append(entry)
         report.patched.append(Patched(name, _class_name(module),
                                       f"global: {namespace.get('__name__')}.{global_name}", entry.replacement))
     return bool(names)
@@ -272,7 +281,7 @@ def _patch_globals(report: PatchReport, name: str, module: nn.Module, namespace:
 def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> PatchReport:
     """Route every multi-scale deformable attention that ``model`` runs through msda, in place (the module
     docstring lists how, per family). Returns the report; ``strict=True`` raises when nothing matched."""
-    if _REPORT_ATTRIBUTE in vars(model):
+    if model in _reports:
         raise ValueError(f"model: expected a model not patched yet, got a patched {type(model).__name__} "
                          f"(call msda_core.unpatch(model) first)")
     report = PatchReport(model, backend)
@@ -286,13 +295,13 @@ def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> P
         report._restore()
         raise ValueError(f"model: expected a multi-scale deformable attention msda can serve (strict=True), found "
                          f"none in {type(model).__name__}\n{report}")
-    vars(model)[_REPORT_ATTRIBUTE] = report
+    _reports[model] = report
     return report
 
 
 def unpatch(model: nn.Module) -> None:
     """Undo ``patch(model)``: every child, attribute and global back as it was."""
-    report = vars(model).pop(_REPORT_ATTRIBUTE, None)
+    report = _reports.pop(model, None)
     if report is None:
         raise ValueError(f"model: expected a model patched by msda_core.patch, got an unpatched {type(model).__name__}")
     report._restore()
