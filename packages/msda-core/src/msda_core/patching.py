@@ -47,9 +47,9 @@ _GLOBALS = {
 # The attributes that hold a v2 caller's point counts and method: D-FINE / DEIMv2, then RT-DETRv2.
 _V2_SETTINGS = (("num_points_list", "decoder_method"), ("n_points_list", "method"))
 _CORE_ATTRIBUTE = "ms_deformable_attn_core"  # D-FINE's and DEIMv2's per-instance core function
-# Patched model -> its report. Nothing is stored on the model, which so still pickles and deep-copies (a copy is
-# not registered: unpatch it by discarding it); the report holds it weakly, and a model collected while patched
-# releases its globals.
+# Patched model -> its report. Nothing is stored on the model, so it still pickles and deep-copies (a deep copy
+# runs patched but is not registered: unpatch applies to the original); the report holds the model weakly, and a
+# model collected while patched releases its globals.
 _reports = weakref.WeakKeyDictionary()
 
 
@@ -124,6 +124,8 @@ def _release_globals(entries: list) -> None:
 
 @dataclass(frozen=True)
 class Patched:
+    """A module whose multi-scale deformable attention now runs msda, and how."""
+
     name: str  # the module's qualified name in the model ("" is the model itself)
     cls: str  # module path and class of the module msda now serves
     mechanism: str
@@ -136,6 +138,8 @@ class Patched:
 
 @dataclass(frozen=True)
 class LeftAlone:
+    """A module that looks like multi-scale deformable attention but was not patched, and why."""
+
     name: str
     cls: str
     reason: str
