@@ -18,6 +18,8 @@ Effects:
   ``max_contributions`` adds into one element (K); the comparison counts K on the actual inputs and
   refuses to judge a case beyond it. The Deformable DETR encoder reaches K = 1427 on its 13x21 level
   (22223 queries x 4 points x 4 corners over 273 pixels).
+- ``data_parallel`` / ``sharded``: training under DDP against one process on the concatenated batch, and FSDP2
+  against DDP (``msda_testkit.distributed``): the same fp32 terms added in another order across ranks.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ TOLERANCES = {
         "native bf16 atomics round the running sum at each of K adds: ~ sqrt(K) * u of the scale; K <= 4096 "
         "gives 64u = 0.25. That is why grad_accum='fp32' exists: it is held to the bf16 gradient entry",
         max_contributions=4096),
+    (torch.float32, "data_parallel"): Tolerance(1e-5, 1e-5,
+        "DDP on 2 ranks against one process on their concatenated batch (msda_testkit.distributed): each "
+        "gradient element sums the same n = 2 ranks x 2 samples x 80 tokens = 320 per-token terms, DDP as two "
+        "partial sums then one add, the one process in its GEMM's order (the means' 1/320 is 1/160 halved, "
+        "exactly). Each order errs by ~sqrt(n) * u = 1.1e-6 of the scale for random-sign terms, so they differ "
+        "by <= 2.1e-6; on CUDA outside the deterministic mode each run's grad_value atomics add <= 3.8e-6 (the "
+        "fp32 atomic entry): <= 9.7e-6. 3 SGD steps (lr 0.1) move parameters by less than their gradients' "
+        "error plus 3u. Measured on gloo (CPU): 4.9e-7 (gradients), 3.1e-7 (parameters)"),
+    (torch.float32, "sharded"): Tolerance(1e-6, 1e-5,
+        "FSDP2 against DDP, the losses of 3 SGD steps (msda_testkit.distributed): the same per-rank fp32 "
+        "gradients, scaled by powers of two (exact), reduce-scattered instead of all-reduced: for 2 ranks one "
+        "commutative add, the same bits (measured on gloo: 0). On CUDA outside the deterministic mode each "
+        "run's grad_value atomics differ (<= 3.8e-6 relative, the fp32 atomic entry), moving the loss by that "
+        "fraction of its decrease (<= the scale) in each run, and the loss, a mean of 160 squares, then rounds "
+        "at other parameters (2 sqrt(160) u = 1.5e-6): <= 9.1e-6 of the scale"),
 }
 
 
