@@ -1,8 +1,9 @@
 """Sessions: cpu (all tests runnable without a GPU; Triton kernels through its interpreter), compile_ptx
 (every Triton kernel variant compiled for sm_80 and sm_90 without a GPU), gpu (the full suite on a CUDA
 machine, offline, with that machine's torch and Triton), verify (the five-stage verification, on a GPU
-machine like gpu), report (every backend on every case, one table),
-bench (times of every backend: on a GPU machine run `python -m msda_testkit.bench` there, it is offline).
+machine like gpu), distributed (DDP and FSDP2 training with the op on two GPUs, NCCL), report (every backend
+on every case, one table), bench (times of every backend: on a GPU machine run `python -m msda_testkit.bench`
+there, it is offline).
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
 """
@@ -73,6 +74,15 @@ def verify(session):
     """The five-stage verification of the Triton backend on a GPU machine (offline, as gpu)."""
     env = install_private(session)
     session.run(sys.executable, "-m", "msda_testkit.verify", *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def distributed(session):
+    """The data-parallel checks (DDP, FSDP2) on two GPUs of one machine with NCCL, offline as gpu; ``nox -s cpu``
+    runs them on gloo. Arguments go to torchrun: ``nox -s distributed -- --nproc-per-node 1`` on one GPU."""
+    env = install_private(session)
+    session.run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                *session.posargs, "-m", "msda_testkit.distributed", "--backend", "nccl", env=env, external=True)
 
 
 @nox.session
