@@ -47,6 +47,20 @@ def test_compile_inlines_the_triton_kernels_in_inference_and_training():
         kit.assert_close("grad", got, want, kit.tolerance(F32, "atomic"))
 
 
+def test_compiled_training_with_leaf_inputs_needs_no_copies_of_them():
+    """The op alone, compiled, differentiated into leaf inputs that require grad: Inductor's analysis of the
+    kernels finds they write only their outputs, so no leaf is copied into (which autograd forbids)."""
+    inputs = kit.make_inputs(DECODER, F32, device="cuda")
+    grad_output = kit.grad_output_for(inputs)
+    _fresh_compile()
+    compiled = torch.compile(lambda **kw: torch.ops.msda.deform_attn(**kw), fullgraph=True)
+    leaves = {k: (v.detach().requires_grad_() if k in kit.DIFFERENTIABLE else v) for k, v in inputs.items()}
+    grads = torch.autograd.grad(compiled(**leaves), [leaves[k] for k in kit.DIFFERENTIABLE], grad_output)
+    expected = kit.run(inputs, "triton", grad_output)
+    for name, grad in zip(kit.GRAD_NAMES, grads):
+        kit.assert_close(name, grad, expected[name], kit.tolerance(F32, "atomic"))
+
+
 def test_reduce_overhead_runs_a_decoder_training_step_with_no_cudagraph_skips():
     """The layer and its loss compiled with CUDA graphs (forward and backward graphs), trained under bf16
     autocast for a few steps: no graph is skipped, and the losses match eager's."""
@@ -71,17 +85,21 @@ def test_reduce_overhead_runs_a_decoder_training_step_with_no_cudagraph_skips():
 
 
 def test_dynamic_batch_and_queries_compile_once():
-    """Compiled with dynamic shapes, new batch and query counts reuse the graph: no launch rule guards on them.
-    (Sizes of 1 are left out: torch specializes them whatever the op does.)"""
+    """With batch and queries marked dynamic, new batch and query counts reuse the graph: no launch rule guards on
+    them. (Marked, not dynamic=True: that would also make the level and point counts symbols, which duck sizing
+    merges with an equal batch.)"""
     layer = _layer().cuda()
     counter = CompileCounterWithBackend("inductor")
     _fresh_compile()
-    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
     with torch.no_grad():
         for batch, queries in ((2, 300), (3, 300), (4, 500), (2, 123), (5, 900)):
             case = kit.Case("dyn", batch=batch, queries=queries, heads=8, head_dim=32, levels=kit.DETR_LEVELS[2:],
                             points=4)
             args = _layer_inputs(case)
+            for tensor, dims in zip(args, ((0,), (), (), (0, 1), (0, 1))):
+                for dim in dims:
+                    torch._dynamo.mark_dynamic(tensor, dim)
             kit.assert_close("output", compiled(*args), layer(*args), kit.tolerance(F32, "forward"))
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
 

@@ -61,24 +61,19 @@ def _head_start(rows, Q, S, M):
 
 
 @triton.jit
-def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S, sample, ok, level):
-    """Load the samples at offsets ``sample`` (masked by ``ok``, of level ``level``: any shapes that broadcast)
-    and return their bilinear corners, sample weights and pixel coordinates.
+def _corners(loc_x, loc_y, H, W, start, S, ok):
+    """The bilinear corners of samples at normalized (loc_x, loc_y) (masked by ``ok``) on a level of H x W pixels
+    whose pixel 0 is row ``start`` of value: (p00, m00, m01, m10, m11, fx, fy, finite), where p00 is corner 00's
+    pixel index into S (corners 01, 10, 11 are p00 + 1, + W, + W + 1), m the corners' masks, fx, fy the
+    fractions (_bilinear's weights) and ``finite`` whether both coordinates are.
 
-    Corners are (pixel index into S, in-map mask, bilinear weight) in order 00, 01, 10, 11 (row, column).
-    A non-finite coordinate is reported through ``finite`` and never becomes an address: coordinates
-    outside [-1, W) x [-1, H) (NaN and inf included) are replaced by 0 before the integer conversion, and
-    all their corners are masked off. At x = W both columns lie outside the map; at x = -1 the second is
-    inside with weight 0, which grid_sample still multiplies (an inf there gives NaN), so -1 stays in.
-    A corner is also masked unless its pixel lies in [0, S): whatever the level table holds (it is not
-    validated on the GPU), no read or write leaves value's rows.
-    """
-    H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
-    W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-    start = tl.load(starts_ptr + level).to(sample.dtype)
-    loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
-    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
-    a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
+    A non-finite coordinate never becomes an address: coordinates outside [-1, W) x [-1, H) (NaN and inf
+    included) are replaced by 0 before the integer conversion, and all their corners are masked off. At x = W
+    both columns lie outside the map; at x = -1 the second is inside with weight 0, which grid_sample still
+    multiplies (an inf there gives NaN), so -1 stays in. A corner is also masked unless its pixel lies in
+    [0, S): whatever the level table holds (it is not validated on the GPU), no read or write leaves value's
+    rows. The caller loads the locations and the level table: a helper given those pointers would make
+    Inductor's analysis of the kernel count them as written (its results feed store addresses)."""
     Wf = W.to(tl.float32)
     Hf = H.to(tl.float32)
     x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
@@ -89,23 +84,22 @@ def _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S, sample, ok, level):
     y = tl.where(safe, y, 0.0)
     x0f = tl.floor(x)
     y0f = tl.floor(y)
-    fx = x - x0f
-    fy = y - y0f
     x0 = x0f.to(tl.int32)
     y0 = y0f.to(tl.int32)
     in_x0 = safe & (x0 >= 0)
     in_x1 = safe & (x0 + 1 < W)
     in_y0 = y0 >= 0
     in_y1 = y0 + 1 < H
-    p00 = start + (y0 * W + x0).to(sample.dtype)
-    p01 = p00 + 1
-    p10 = p00 + W
-    p11 = p10 + 1
-    return (p00, in_y0 & in_x0 & (p00 >= 0) & (p00 < S), (1.0 - fx) * (1.0 - fy),
-            p01, in_y0 & in_x1 & (p01 >= 0) & (p01 < S), fx * (1.0 - fy),
-            p10, in_y1 & in_x0 & (p10 >= 0) & (p10 < S), (1.0 - fx) * fy,
-            p11, in_y1 & in_x1 & (p11 >= 0) & (p11 < S), fx * fy,
-            a, fx, fy, Wf, Hf, finite)
+    p00 = start + (y0 * W + x0).to(start.dtype)
+    return (p00, in_y0 & in_x0 & (p00 >= 0) & (p00 < S), in_y0 & in_x1 & (p00 + 1 >= 0) & (p00 + 1 < S),
+            in_y1 & in_x0 & (p00 + W >= 0) & (p00 + W < S), in_y1 & in_x1 & (p00 + W + 1 >= 0) & (p00 + W + 1 < S),
+            x - x0f, y - y0f, finite)
+
+
+@triton.jit
+def _bilinear(fx, fy):
+    """The weights of corners 00, 01, 10, 11 (row, column) at fractions fx, fy."""
+    return (1.0 - fx) * (1.0 - fy), fx * (1.0 - fy), (1.0 - fx) * fy, fx * fy
 
 
 @triton.jit
@@ -125,17 +119,24 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     pixel_stride = M * D
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     for level in range(L):
+        H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
+        W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
+        start = tl.load(starts_ptr + level).to(rows.dtype)
         for p0 in range(0, P, BLOCK_P):
             point = p0 + tl.arange(0, BLOCK_P)[None, :]
             ok = row_ok[:, None] & (point < P)
-            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S,
-                                                  rows[:, None] * (L * P) + level * P + point, ok, level)
+            sample = rows[:, None] * (L * P) + level * P + point
+            loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
+            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
+            a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, ok)
+            w00, w01, w10, w11 = _bilinear(fx, fy)
             a = tl.where(finite, a, float("nan"))
-            v00 = tl.load(value_ptr + base + (p00 * pixel_stride)[:, :, None], mask=m00[:, :, None] & d_ok, other=0.0)
-            v01 = tl.load(value_ptr + base + (p01 * pixel_stride)[:, :, None], mask=m01[:, :, None] & d_ok, other=0.0)
-            v10 = tl.load(value_ptr + base + (p10 * pixel_stride)[:, :, None], mask=m10[:, :, None] & d_ok, other=0.0)
-            v11 = tl.load(value_ptr + base + (p11 * pixel_stride)[:, :, None], mask=m11[:, :, None] & d_ok, other=0.0)
+            p00 = base + (p00 * pixel_stride)[:, :, None]  # the corners' addresses, 01, 10, 11 relative to 00's
+            v00 = tl.load(value_ptr + p00, mask=m00[:, :, None] & d_ok, other=0.0)
+            v01 = tl.load(value_ptr + p00 + pixel_stride, mask=m01[:, :, None] & d_ok, other=0.0)
+            v10 = tl.load(value_ptr + p00 + W * pixel_stride, mask=m10[:, :, None] & d_ok, other=0.0)
+            v11 = tl.load(value_ptr + p00 + (W + 1) * pixel_stride, mask=m11[:, :, None] & d_ok, other=0.0)
             acc += tl.sum((a * w00)[:, :, None] * v00.to(tl.float32) + (a * w01)[:, :, None] * v01.to(tl.float32)
                           + (a * w10)[:, :, None] * v10.to(tl.float32) + (a * w11)[:, :, None] * v11.to(tl.float32),
                           axis=1)
@@ -167,11 +168,16 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     head_start = _head_start(rows, Q, S, M)
     per_unit = MASS_UNITS / tl.load(weight_max_ptr).to(tl.float32)
     for level in range(L):
+        H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
+        W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
+        start = tl.load(starts_ptr + level).to(rows.dtype)
         for point in range(P):
-            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S,
-                                                  rows * (L * P) + level * P + point, row_ok, level)
-            anchor = tl.where(m00, p00, tl.where(m01, p01, tl.where(m10, p10, p11)))
+            sample = rows * (L * P) + level * P + point
+            loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
+            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
+            a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, row_ok)
+            anchor = tl.where(m00, p00, tl.where(m01, p00 + 1, tl.where(m10, p00 + W, p00 + W + 1)))
             units = tl.ceil(tl.abs(a) * per_unit)
             units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
             tl.atomic_add(mass_ptr + head_start + anchor * M, units.to(tl.int64), mask=m00 | m01 | m10 | m11,
@@ -254,10 +260,16 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
         scale, ratio = _fixed_point_scales(weight_max_ptr, grad_max_ptr, mass_max_ptr)
         scale = tl.where(Q.to(tl.int64) * L * P < MAX_EXACT_TERMS, scale, float("nan"))
     for level in range(L):
+        H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
+        W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
+        start = tl.load(starts_ptr + level).to(rows.dtype)
         for point in range(P):
             sample = rows * (L * P) + level * P + point
-            (p00, m00, w00, p01, m01, w01, p10, m10, w10, p11, m11, w11,
-             a, fx, fy, Wf, Hf, finite) = _corners(loc_ptr, weight_ptr, shapes_ptr, starts_ptr, S, sample, row_ok, level)
+            loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
+            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
+            a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, row_ok)
+            w00, w01, w10, w11 = _bilinear(fx, fy)
             gv00 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # <g, v_corner> over all channels
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv10 = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -269,9 +281,9 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                             other=0.0).to(tl.float32)
                 base = head_base[:, None] + d[None, :]
                 o00 = base + (p00 * pixel_stride)[:, None]
-                o01 = base + (p01 * pixel_stride)[:, None]
-                o10 = base + (p10 * pixel_stride)[:, None]
-                o11 = base + (p11 * pixel_stride)[:, None]
+                o01 = o00 + pixel_stride
+                o10 = o00 + W * pixel_stride
+                o11 = o10 + pixel_stride
                 k00 = m00[:, None] & d_ok[None, :]
                 k01 = m01[:, None] & d_ok[None, :]
                 k10 = m10[:, None] & d_ok[None, :]
@@ -285,8 +297,8 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio, FIXED_POINT)
                 _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio, FIXED_POINT)
             grad_a = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
-            grad_x = a * Wf * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # W_l: chain rule of loc * W
-            grad_y = a * Hf * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))
+            grad_x = a * W.to(tl.float32) * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # chain rule of loc * W
+            grad_y = a * H.to(tl.float32) * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))
             grad_a = tl.where(finite, grad_a, float("nan"))
             grad_x = tl.where(finite, grad_x, float("nan"))
             grad_y = tl.where(finite, grad_y, float("nan"))
