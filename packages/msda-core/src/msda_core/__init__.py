@@ -4,7 +4,9 @@ Importing this package registers the op. Backends come from other packages (msda
 msda-triton) through the ``msda.backends`` entry points.
 """
 
+from . import compat, nn
 from .op import deform_attn, output_shape
+from .patching import PatchReport, patch, unpatch
 from .registry import (
     Backend,
     BackendUnavailableError,
@@ -20,10 +22,7 @@ from .registry import (
     use_backend,
 )
 
-from . import compat, nn
-from .patching import PatchReport, patch, unpatch
-
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum: str = "auto",

@@ -4,4 +4,4 @@ The backend object lives in ``msda_triton.backend`` (entry point ``msda.backends
 package alone imports neither torch nor Triton, so ``compile_ptx`` can load just the kernels.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

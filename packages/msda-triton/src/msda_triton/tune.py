@@ -10,12 +10,15 @@ import argparse
 import dataclasses
 import itertools
 
+import msda_core
 import torch
 import triton.testing
 from tabulate import tabulate
 
-import msda_core
-import msda_testkit as kit
+try:
+    import msda_testkit as kit
+except ImportError as err:  # an optional dependency: the tool's inputs and cases
+    raise SystemExit("python -m msda_triton.tune needs msda-testkit: pip install 'msda-triton[tune]'") from err
 from .backend import launch_backward, launch_forward
 from .kernels import launch_config
 
