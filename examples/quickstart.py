@@ -1,8 +1,7 @@
 """Multi-scale deformable attention on whatever msda backends are installed (CPU works with msda-reference)."""
 
-import torch
-
 import msda_core
+import torch
 
 levels = torch.tensor([(32, 48), (16, 24), (8, 12)])  # (H, W) of each pyramid level
 B, Q, M, D, L, P = 2, 100, 8, 32, len(levels), 4

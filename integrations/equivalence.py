@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-import torch
-from torch import nn
-
 import msda_core
 import msda_testkit as kit
+import torch
+from torch import nn
 
 OUTPUT = kit.Tolerance(0.0, 1e-10, "whole model in float64: the op's ~1e-14 error carried through every later layer; "
                                     "any convention slip is O(1)")

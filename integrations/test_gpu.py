@@ -5,12 +5,11 @@ measured against the unpatched model in float64; prints the errors and the step 
 import copy
 import time
 
+import msda_core
 import pytest
 import torch
 import transformers as T
 from equivalence import forward_backward, randomize
-
-import msda_core
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -2,12 +2,11 @@
 msda_core.patch(model) must give the model's own PyTorch path's outputs and parameter gradients in float64
 (equivalence.py), through the mechanism the family needs."""
 
+import msda_core
 import pytest
 import torch
 import transformers as T
 from equivalence import check_patched_equals_unpatched
-
-import msda_core
 
 IMAGE_SIZE = 64  # strides 8, 16, 32: levels of 8x8, 4x4 and 2x2
 

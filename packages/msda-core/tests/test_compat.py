@@ -3,13 +3,12 @@ backend selection, and the extension's own calling convention."""
 
 import sys
 
-import pytest
-import torch
-from published import deformable_attention
-
 import msda_core
 import msda_testkit as kit
+import pytest
+import torch
 from msda_core import compat
+from published import deformable_attention
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
 

@@ -3,13 +3,12 @@ module's outputs and gradients in float64, for points, boxes and padding; its in
 
 import math
 
-import pytest
-import torch
-from published import checkpoint, msdeformattn
-
 import msda_core
 import msda_testkit as kit
+import pytest
+import torch
 from msda_core.nn import MSDeformAttn
+from published import checkpoint, msdeformattn
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
 C, L, M, P = 16, 2, 4, 3

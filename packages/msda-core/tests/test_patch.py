@@ -6,14 +6,13 @@ import copy
 import gc
 import io
 
-import pytest
-import torch
-from published import checkpoint, deformable_attention, sampling_inputs
-from torch import nn
-
 import msda_core
 import msda_testkit as kit
+import pytest
+import torch
 from msda_core import patching
+from published import checkpoint, deformable_attention, sampling_inputs
+from torch import nn
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
 C, L, M, P = 16, 2, 4, 2

@@ -2,11 +2,10 @@
 
 from importlib.metadata import EntryPoint
 
+import msda_core
 import pytest
 import torch
 from core_inputs import tiny_inputs
-
-import msda_core
 from msda_core import BackendUnavailableError, output_shape, registry
 
 
@@ -120,7 +119,10 @@ def test_auto_with_no_backend_lists_all_reasons(toys):
 
 
 def test_limits_add_reasons(toys):
-    msda_core.register(_toy("picky", priority=50, limits=lambda inputs: ["needs D >= 8"] if inputs.head_dim < 8 else []))
+    def limits(inputs):
+        return ["needs D >= 8"] if inputs.head_dim < 8 else []
+
+    msda_core.register(_toy("picky", priority=50, limits=limits))
     assert _ran() == 2.0
     with pytest.raises(BackendUnavailableError, match="needs D >= 8"):
         _ran(backend="picky")
@@ -168,7 +170,8 @@ def test_deterministic_request_refuses_backends_whose_backward_is_not(toys):
     inp = tiny_inputs()
     assert _ran(backend="fast", deterministic=True) == 2.0  # no gradient needed: any backend will do
     inp["value"].requires_grad_(True)
-    with pytest.raises(BackendUnavailableError, match="'fast' .*cannot run .*its backward is not deterministic on 'cpu'"):
+    refused = "'fast' .*cannot run .*its backward is not deterministic on 'cpu'"
+    with pytest.raises(BackendUnavailableError, match=refused):
         torch.ops.msda.deform_attn(**inp, backend="fast", deterministic=True)
     torch.use_deterministic_algorithms(True)
     try:

@@ -1,10 +1,9 @@
 """Every malformed call raises before any backend runs, naming the argument, the expected and the actual."""
 
+import msda_core
 import pytest
 import torch
 from core_inputs import tiny_inputs
-
-import msda_core
 
 
 def _set(key, make):
@@ -103,7 +102,8 @@ def test_grad_accum_is_checked(inputs, spy_backend):
 
 def test_grad_output_shape_is_checked(inputs, spy_backend):
     bad_grad = torch.zeros(1, 2, 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"^grad_output: expected shape \(B, Q, M\*D\) = \(1, 2, 6\) \(B, Q from sampling_locations, "
+    with pytest.raises(ValueError, match=r"^grad_output: expected shape \(B, Q, M\*D\) = \(1, 2, 6\) "
+                                         r"\(B, Q from sampling_locations, "
                                          r"M, D from value\), got \(1, 2, 5\)"):
         torch.ops.msda.deform_attn_backward(bad_grad, *inputs.values(), backend="spy", grad_accum="auto",
                                             deterministic=None)
@@ -123,7 +123,8 @@ def test_mixed_precision_half_value_fp32_locations_is_accepted(spy_backend):
     inp["sampling_locations"] = inp["sampling_locations"].half()
     msda_core.validation.check_inputs(**inp)  # all half: fine
     inp["value"] = inp["value"].bfloat16()
-    with pytest.raises(TypeError, match=r"^sampling_locations: expected the dtype of value \(torch.bfloat16\) or torch.float32"):
+    with pytest.raises(TypeError, match=r"^sampling_locations: expected the dtype of value \(torch.bfloat16\) or "
+                                        r"torch.float32"):
         msda_core.validation.check_inputs(**inp)
 
 
@@ -165,7 +166,8 @@ def test_shape_errors_name_where_each_size_came_from(inputs, spy_backend):
     inputs["spatial_shapes"] = inputs["spatial_shapes"][:1]
     inputs["level_start_index"] = None
     with pytest.raises(ValueError, match=r"^sampling_locations: expected shape \(B, Q, M, L, P, 2\) = "
-                                         r"\(1, 2, 2, 1, 2, 2\) \(B, M from value.shape, L = spatial_shapes.shape\[0\]"):
+                                         r"\(1, 2, 2, 1, 2, 2\) \(B, M from value.shape, "
+                                         r"L = spatial_shapes.shape\[0\]"):
         torch.ops.msda.deform_attn(**inputs, backend="spy")
 
 

@@ -1,9 +1,8 @@
 """msda-core + msda-reference alone give working CPU inference through torch.ops.msda.deform_attn."""
 
-import torch
-
 import msda_core
 import msda_testkit as kit
+import torch
 
 
 def test_auto_runs_gather_on_cpu_and_matches_float64():

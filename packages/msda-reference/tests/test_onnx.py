@@ -1,11 +1,10 @@
 """ONNX export of a model using the op (msda_core.onnx), run in onnxruntime on CPU."""
 
-import pytest
-import torch
-
 import msda_core
 import msda_core.onnx
 import msda_testkit as kit
+import pytest
+import torch
 
 F32 = torch.float32
 

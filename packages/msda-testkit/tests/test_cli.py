@@ -3,7 +3,6 @@ what it does and its default, and a CUDA device that is not there ends in one li
 
 import pytest
 import torch
-
 from msda_testkit import bench, cli, peers, report, verify
 
 TOOLS = {"report": report, "bench": bench, "peers": peers, "verify": verify}

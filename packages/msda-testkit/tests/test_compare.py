@@ -1,8 +1,7 @@
 import math
 
-import torch
-
 import msda_testkit as kit
+import torch
 
 TOL = kit.Tolerance(rtol=1e-3, atol=1e-4, reason="test entry")
 

@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from msda_testkit import distributed as dd
 from msda_testkit import tolerance
 

@@ -1,7 +1,6 @@
 """The peer comparison refuses plainly where it cannot run."""
 
 import torch
-
 from msda_testkit import peers
 
 

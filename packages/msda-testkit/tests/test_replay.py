@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from msda_testkit.replay import assert_replays_bit_exact
 
 
@@ -37,6 +36,7 @@ def test_signed_zero_and_nan_payloads_count():
     with pytest.raises(AssertionError, match="1 elements differ"):
         assert_replays_bit_exact(lambda: torch.tensor([next(flips)]), {}, replays=2)
     payloads = iter([0x7FC00000, 0x7FC00001])  # two quiet NaNs with different payloads
-    nan = lambda: torch.tensor([next(payloads)], dtype=torch.int32).view(torch.float32)
+    def nan():
+        return torch.tensor([next(payloads)], dtype=torch.int32).view(torch.float32)
     with pytest.raises(AssertionError, match="1 elements differ"):
         assert_replays_bit_exact(nan, {}, replays=2)

@@ -1,7 +1,6 @@
+import msda_testkit as kit
 import pytest
 import torch
-
-import msda_testkit as kit
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}

@@ -1,7 +1,6 @@
 """compile_ptx's command line: --help and an unknown architecture answer at once, compiling nothing."""
 
 import pytest
-
 from msda_triton import compile_ptx
 
 

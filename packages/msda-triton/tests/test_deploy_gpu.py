@@ -1,13 +1,12 @@
 """The Triton backend under torch.compile, CUDA graphs, torch.export and AOTInductor, and with no host sync (GPU)."""
 
+import msda_testkit as kit
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from triton_env import gpu_only
-
-import msda_testkit as kit
 
 pytestmark = gpu_only
 F32, BF16 = torch.float32, torch.bfloat16

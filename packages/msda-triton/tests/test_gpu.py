@@ -2,14 +2,13 @@
 
 from dataclasses import replace
 
-import pytest
-import torch
-from triton_env import gpu_only
-from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
-
 import msda_core
 import msda_testkit as kit
+import pytest
+import torch
 from msda_triton import backend, compile_ptx, kernels
+from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
+from triton_env import gpu_only
 
 pytestmark = gpu_only
 F16, F32 = torch.float16, torch.float32

@@ -6,14 +6,13 @@ same device, which msda-reference's test_reference_backends.py ties to the naive
 
 import itertools
 
+import msda_core
+import msda_testkit as kit
 import pytest
 import torch
 import triton
-from triton_env import DEVICE, needs_kernels
-
-import msda_core
-import msda_testkit as kit
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
+from triton_env import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
 REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"

@@ -9,9 +9,8 @@ inputs of one shape).
 
 import pytest
 import torch
-from triton.compiler import CompiledKernel
-
 from msda_triton import backend
+from triton.compiler import CompiledKernel
 
 
 class _Compiled(CompiledKernel):

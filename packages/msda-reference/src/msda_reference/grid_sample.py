@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from msda_core import Backend
 from msda_core.validation import check_level_values
 

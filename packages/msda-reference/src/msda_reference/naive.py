@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from msda_core import Backend
 
 MAX_WORK = 200_000  # B*Q*M*L*P*D sampled channels; beyond this the loops take seconds
@@ -76,7 +75,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     g_all = grad_output.double().reshape(B, Q, M, D).tolist()
     levels = _levels(spatial_shapes, level_start_index)
     g_value = [[[[0.0] * D for _ in range(M)] for _ in range(S)] for _ in range(B)]
-    g_loc = [[[[[[0.0, 0.0] for _ in range(P)] for _ in range(L)] for _ in range(M)] for _ in range(Q)] for _ in range(B)]
+    g_loc = [[[[[[0.0, 0.0] for _ in range(P)] for _ in range(L)] for _ in range(M)] for _ in range(Q)]
+             for _ in range(B)]
     g_att = [[[[[0.0] * P for _ in range(L)] for _ in range(M)] for _ in range(Q)] for _ in range(B)]
     zero = [0.0] * D
     for b in range(B):
@@ -92,7 +92,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
                             continue
                         fx, fy, corners = _corners(lx, ly, H, W)
                         v00, v01, v10, v11 = (v[b][start + px][m] if px is not None else zero for px, _ in corners)
-                        dot = lambda u: sum(gd * ud for gd, ud in zip(g, u))
+                        def dot(u):
+                            return sum(gd * ud for gd, ud in zip(g, u))
                         s = [sum(wc * vc[d] for (_, wc), vc in zip(corners, (v00, v01, v10, v11))) for d in range(D)]
                         g_att[b][q][m][l][p] = dot(s)
                         ds_dx = [(v01[d] - v00[d]) * (1 - fy) + (v11[d] - v10[d]) * fy for d in range(D)]
@@ -103,7 +104,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
                                 target = g_value[b][start + pixel][m]
                                 for d in range(D):
                                     target[d] += a * weight * g[d]
-    as_tensor = lambda x, like: torch.tensor(x, dtype=torch.float64).reshape(like.shape).to(like.dtype)
+    def as_tensor(x, like):
+        return torch.tensor(x, dtype=torch.float64).reshape(like.shape).to(like.dtype)
     return as_tensor(g_value, value), as_tensor(g_loc, sampling_locations), as_tensor(g_att, attention_weights)
 
 

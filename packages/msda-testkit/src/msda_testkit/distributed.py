@@ -25,13 +25,12 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from msda_core.nn import MSDeformAttn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from msda_core.nn import MSDeformAttn
 
 from .compare import compare
 from .tolerances import tolerance

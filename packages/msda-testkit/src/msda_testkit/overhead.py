@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-from tabulate import tabulate
-
 import msda_core
+import torch
 from msda_core import op
+from tabulate import tabulate
 
 from .bench import median_ms
 from .cases import ARGUMENTS, case, grad_output_for, make_inputs

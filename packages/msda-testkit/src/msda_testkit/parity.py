@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import msda_core
+import torch
 
 from .cases import DIFFERENTIABLE, grad_output_for, upcast
 from .compare import compare
@@ -125,7 +124,8 @@ def check_parity(inputs: dict, backend: str, reference_backend: str = "grid_samp
     grad_output = grad_output_for(inputs, seed) if backward else None
     actual = run(inputs, backend, grad_output, **op_kwargs)
     expected = reference(inputs, backward, reference_backend, seed)
-    effect = grad_value_effect(backend, inputs, op_kwargs.get("grad_accum", "auto"), bool(op_kwargs.get("deterministic")))
+    effect = grad_value_effect(backend, inputs, op_kwargs.get("grad_accum", "auto"),
+                               bool(op_kwargs.get("deterministic")))
     return compare_results(inputs, actual, expected, grad_value_effect=effect)
 
 

@@ -13,9 +13,8 @@ import statistics
 import textwrap
 import time
 
-import torch
-
 import msda_core
+import torch
 
 from . import cli
 from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
@@ -75,8 +74,9 @@ def _paths(backend):
     """(label, grad_accum, deterministic) of each way the report runs a backend: both accumulation paths of
     one that scatters with atomics, and its deterministic mode when it has one."""
     modes = ("native", "fp32") if backend.honors_grad_accum else ("auto",)
-    paths = [(mode, mode, False) for mode in modes] + ([("deterministic", "auto", True)] if backend.deterministic_on_request
-                                                       else [])
+    paths = [(mode, mode, False) for mode in modes]
+    if backend.deterministic_on_request:
+        paths.append(("deterministic", "auto", True))
     return paths if len(paths) > 1 else [(None, "auto", False)]
 
 

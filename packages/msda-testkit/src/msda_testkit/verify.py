@@ -83,7 +83,8 @@ def _compare(stage, label, inputs, backend, grad_output=None, nonfinite_kind_mat
     expected = run(upcast(inputs), "grid_sample", grad_output.double())
     effect = grad_value_effect(backend, inputs, deterministic=bool(op_kwargs.get("deterministic")))
     if not nonfinite_kind_matters:
-        actual, expected = ({k: torch.where(v.isfinite(), v, torch.nan) for k, v in r.items()} for r in (actual, expected))
+        actual, expected = ({k: torch.where(v.isfinite(), v, torch.nan) for k, v in r.items()}
+                            for r in (actual, expected))
     stage.add(label, compare_results(inputs, actual, expected, grad_value_effect=effect))
 
 
@@ -155,7 +156,8 @@ def _stress(backend: str, device: str, budget_bytes: int = 2 << 30, iterations: 
     case = replace(encoder, name="stress", batch=max(1, budget_bytes // per_batch))
     inputs = make_inputs(case, F32, device=device)
     grad_output = grad_output_for(inputs)
-    step = lambda: run(inputs, backend, grad_output, deterministic=True)
+    def step():
+        return run(inputs, backend, grad_output, deterministic=True)
     first = step()
     for _ in range(3):
         last = step()  # one set of results held at both readings, as in the loop

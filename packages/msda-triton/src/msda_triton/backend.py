@@ -30,6 +30,12 @@ from msda_core import Backend, output_shape
 from . import kernels
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when kernels are defined
+if INTERPRETED:
+    try:
+        import numpy  # noqa: F401  (what Triton's interpreter computes with)
+    except ImportError as err:
+        raise ImportError("TRITON_INTERPRET=1: Triton's CPU interpreter needs numpy: pip install "
+                          "'msda-triton[interpreter]'") from err
 
 
 def accumulates_in_fp32(dtype: torch.dtype, grad_accum: str) -> bool:
