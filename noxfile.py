@@ -1,24 +1,33 @@
-"""Sessions: cpu (all tests runnable without a GPU; Triton kernels through its interpreter), compile_ptx
-(every Triton kernel variant compiled for sm_80 and sm_90 without a GPU), gpu (the full suite on a CUDA
-machine, offline, with that machine's torch and Triton), verify (the five-stage verification, on a GPU
-machine like gpu), distributed (DDP and FSDP2 training with the op on two GPUs, NCCL), report (every backend
-on every case, one table), bench (times of every backend: on a GPU machine run `python -m msda_testkit.bench`
-there, it is offline).
+"""Sessions. CI (.ci/run) runs lint, packages, cpu and compile_ptx; the rest need a GPU machine or an explicit call.
+
+- lint: ruff on the whole tree (ruff.toml).
+- packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
+- cpu: each package installed from its wheel with its declared dependencies and its own tests run, in dependency
+  order (msda-core; msda-reference and msda-testkit, with no Triton: the reference-only install and the
+  quickstart; msda-triton, its kernels in Triton's CPU interpreter), then the verification's CPU slice.
+- compile_ptx: every Triton kernel variant compiled for sm_80 and sm_90 with no GPU, on the lowest Triton
+  msda-triton supports and on the newest.
+- gpu, verify, distributed: on a CUDA machine, offline, with that machine's torch and Triton (the full suite,
+  the five-stage verification, DDP and FSDP2 on two GPUs with NCCL).
+- report, bench: every backend on every case (errors and times), and the timing tables.
+- integrations: msda_core.patch on real transformers and ultralytics models (needs torch 2.14.1 and torchvision).
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
 """
 
+import glob
 import os
 import sys
 
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["cpu", "compile_ptx"]
+nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx"]
 
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
 PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit")
 TEST_DIRS = [f"packages/{p}/tests" for p in PACKAGES]
+LOWEST_TRITON = "3.6.0"  # msda-triton's triton>=3.6: what the GPU machine runs with torch 2.11
 
 
 def install_ours(session, *packages):
@@ -26,27 +35,58 @@ def install_ours(session, *packages):
     session.install("--no-build-isolation", "--no-deps", *[f"packages/{p}" for p in packages])
 
 
+def build_wheels(session) -> dict:
+    """package name -> the path of its wheel, built from the tree with no network."""
+    folder = os.path.join(session.create_tmp(), "wheels")
+    for path in glob.glob(os.path.join(folder, "*.whl")):
+        os.remove(path)
+    session.run("python", "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", folder,
+                *[f"packages/{p}" for p in PACKAGES])
+    return {p: glob.glob(os.path.join(folder, p.replace("-", "_") + "-*.whl"))[0] for p in PACKAGES}
+
+
+@nox.session
+def lint(session):
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def packages(session):
+    """Build every package's wheel and check the metadata the wheels carry: each range a package declares for a
+    sibling (in its dependencies or extras) admits that sibling's version, and package data is inside."""
+    session.install("setuptools>=70.1", "packaging")
+    wheels = build_wheels(session)
+    session.run("python", "ci/check_wheels.py", *wheels.values())
+
+
 @nox.session
 def cpu(session):
-    session.install(TORCH, "setuptools>=70.1", "pytest", "tabulate", "numpy")
-    # 1. The reference-only install: msda-core + msda-reference, no Triton, gives CPU inference.
-    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "triton", "msda-triton", "msda-testkit")
-    install_ours(session, "msda-core", "msda-reference")
+    wheels = build_wheels(session)
+    pytest = ("pytest", "-q", "-n", "2", *session.posargs)
+    session.install(TORCH, "setuptools>=70.1", "pytest-xdist")
+    # 1. msda-core alone: torch is its only dependency.
+    session.install(f"{wheels['msda-core']}[test]")
+    session.run(*pytest, "packages/msda-core/tests")
+    # 2. The reference-only install: msda-reference (and the testkit its tests use), no Triton: CPU inference.
+    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-reference']}[test]",
+                    wheels["msda-testkit"])
     session.run("python", "-c", "import importlib.util as u, sys; "
                 "sys.exit('triton must be absent here' if u.find_spec('triton') else 0)")
     session.run("python", "examples/quickstart.py")
-    # 2. Everything, the Triton kernels running in Triton's CPU interpreter.
-    session.install("triton")
-    install_ours(session, "msda-triton", "msda-testkit")
-    session.run("pytest", "-q", *TEST_DIRS, *session.posargs, env={"TRITON_INTERPRET": "1"})
-    # the CPU slice of the five-stage verification (stage 5 needs a GPU; sequential replays: 3 suffice)
+    session.run(*pytest, "packages/msda-reference/tests", "packages/msda-testkit/tests")
+    # 3. msda-triton, its kernels in Triton's CPU interpreter, and the verification's CPU slice (stage 5 needs
+    # a GPU; sequential replays: 3 suffice).
+    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-triton']}[test,interpreter]")
+    session.run(*pytest, "packages/msda-triton/tests", env={"TRITON_INTERPRET": "1"})
     session.run("python", "-m", "msda_testkit.verify", "--device", "cpu", "--replays", "3",
                 env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
-def compile_ptx(session):
-    session.install("triton", "setuptools>=70.1")
+@nox.parametrize("triton", [LOWEST_TRITON, "newest"])
+def compile_ptx(session, triton):
+    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=70.1")
     install_ours(session, "msda-triton")
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
 
