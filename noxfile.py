@@ -37,6 +37,7 @@ def install_ours(session, *packages):
 
 def build_wheels(session) -> dict:
     """package name -> the path of its wheel, built from the tree with no network."""
+    session.install("setuptools>=70.1")
     folder = os.path.join(session.create_tmp(), "wheels")
     for path in glob.glob(os.path.join(folder, "*.whl")):
         os.remove(path)
@@ -55,7 +56,7 @@ def lint(session):
 def packages(session):
     """Build every package's wheel and check the metadata the wheels carry: each range a package declares for a
     sibling (in its dependencies or extras) admits that sibling's version, and package data is inside."""
-    session.install("setuptools>=70.1", "packaging")
+    session.install("packaging")
     wheels = build_wheels(session)
     session.run("python", "ci/check_wheels.py", *wheels.values())
 
@@ -64,7 +65,7 @@ def packages(session):
 def cpu(session):
     wheels = build_wheels(session)
     pytest = ("pytest", "-q", "-n", "2", *session.posargs)
-    session.install(TORCH, "setuptools>=70.1", "pytest-xdist")
+    session.install(TORCH, "pytest-xdist")
     # 1. msda-core alone: torch is its only dependency.
     session.install(f"{wheels['msda-core']}[test]")
     session.run(*pytest, "packages/msda-core/tests")
