@@ -7,6 +7,7 @@ import torch
 
 import msda_core
 import msda_testkit as kit
+from msda_reference import gather
 
 
 @pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
@@ -21,14 +22,93 @@ def test_gather_matches_naive(case, dtype):
     kit.assert_parity(kit.make_inputs(case, dtype), "gather", "naive")
 
 
-def test_gather_replays_bitwise_as_it_declares():
-    """Its backward is grid_sample's CPU backward, which adds in a fixed order: it declares itself
-    deterministic on the CPU (so its grad_value is judged without an atomics allowance), and must be."""
-    assert "cpu" in msda_core.backends()["gather"].reproducible_on
+def test_gather_backward_replays_bitwise():
+    """Its backward sums in a fixed order (a stable sort, sequential bags): it declares itself deterministic
+    on the CPU, and replays must agree bit for bit, with one thread or two."""
     inputs = kit.make_inputs(kit.case("decoder_small"), torch.float32)
     grad_output = kit.grad_output_for(inputs)
-    outputs = kit.assert_replays_bit_exact(lambda **i: kit.run(i, "gather", grad_output), inputs, replays=3)
-    assert set(outputs) == {"output", *kit.GRAD_NAMES}
+    assert "cpu" in msda_core.backends()["gather"].deterministic_on
+    threads = torch.get_num_threads()
+    counts = iter([1, 2, 1, 2])
+
+    def run(**inp):
+        torch.set_num_threads(next(counts))
+        return kit.run(inp, "gather", grad_output)
+
+    try:
+        kit.assert_replays_bit_exact(run, inputs, replays=4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gather_results(inputs, grad_output):
+    leaves = {k: (v.detach().requires_grad_() if k in kit.DIFFERENTIABLE else v) for k, v in inputs.items()}
+    out = torch.ops.msda.deform_attn(**leaves, backend="gather")
+    return (out, *torch.autograd.grad(out, [leaves[k] for k in kit.DIFFERENTIABLE], grad_output))
+
+
+@pytest.mark.parametrize("case", [kit.case("decoder_small"), kit.case("nonfinite"), kit.case("non_contiguous")],
+                         ids=lambda c: c.name)
+def test_gather_chunks_give_the_bits_of_one_piece(case, monkeypatch):
+    """Eager mode works through the queries in chunks, and gathers the backward's corner rows in smaller
+    pieces: every sum keeps its order, so chunked results are those of one piece, bit for bit."""
+    inputs = kit.make_inputs(case, torch.float32)
+    grad_output = kit.grad_output_for(inputs)
+    whole = _gather_results(inputs, grad_output)
+    monkeypatch.setattr(gather, "_CHUNK_TAPS", 3 * 4 * len(case.levels) * case.points)  # a few outputs per chunk
+    monkeypatch.setattr(gather, "_GATHER_TAPS", 1)
+    assert len(gather._chunks(case.batch * case.queries, case.heads * 4 * len(case.levels) * case.points,
+                              gather._CHUNK_TAPS)) > 2
+    for name, a, b in zip(("output", *kit.GRAD_NAMES), _gather_results(inputs, grad_output), whole):
+        assert torch.equal(kit.replay.bits(a), kit.replay.bits(b)), name
+
+
+@pytest.mark.parametrize("table", ["starts past the end", "levels larger than value"])
+def test_gather_wrong_level_table_reads_and_writes_only_value(table):
+    """Compiled code skips the op's validation of the level table: the backend itself must keep every corner
+    row inside value (embedding_bag and index_add_ raise on a row outside their table)."""
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float32)
+    value, shapes, starts, loc, weights = (inputs[k] for k in kit.ARGUMENTS)
+    S = value.shape[1]
+    if table == "starts past the end":
+        starts = starts + S
+    else:
+        shapes = shapes * 4
+    out = gather.forward(value, shapes, starts, loc, weights)
+    grads = gather.backward(kit.grad_output_for(inputs), value, shapes, starts, loc, weights, "auto", False)
+    assert out.shape == kit.grad_output_for(inputs).shape
+    assert [g.shape for g in grads] == [value.shape, loc.shape, weights.shape]
+
+
+def test_gather_traces_whole():
+    """Its forward and backward are tensor operations that read no values on the host: torch.compile
+    (fullgraph) and torch.export trace them and give eager's results."""
+    inputs = kit.make_inputs(kit.case("nonfinite"), torch.float32)
+    value, shapes, starts, loc, weights = (inputs[k] for k in kit.ARGUMENTS)
+    grad_output = kit.grad_output_for(inputs)
+    args = (value, shapes, starts, loc, weights)
+
+    def backward(grad_output, *args):
+        return gather.backward(grad_output, *args, "auto", False)
+
+    eager = (gather.forward(*args), *backward(grad_output, *args))
+    torch._dynamo.reset()
+    compiled = (torch.compile(gather.forward, fullgraph=True)(*args),
+                *torch.compile(backward, fullgraph=True)(grad_output, *args))
+
+    class Forward(torch.nn.Module):
+        def forward(self, *args):
+            return gather.forward(*args)
+
+    class Backward(torch.nn.Module):
+        def forward(self, grad_output, *args):
+            return backward(grad_output, *args)
+
+    exported = (torch.export.export(Forward(), args).module()(*args),
+                *torch.export.export(Backward(), (grad_output, *args)).module()(grad_output, *args))
+    for results in (compiled, exported):
+        for name, actual, expected in zip(("output", *kit.GRAD_NAMES), results, eager):
+            kit.assert_close(name, actual, expected, kit.tolerance(torch.float32, "gradient"))
 
 
 @pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS)
@@ -96,17 +176,18 @@ def test_grid_sample_low_precision_against_float64(case, dtype):
     kit.assert_parity(kit.make_inputs(case, dtype), "grid_sample", "naive")
 
 
+@pytest.mark.parametrize("backend", ["grid_sample", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mixed_precision_keeps_location_precision(dtype):
+def test_mixed_precision_keeps_location_precision(dtype, backend):
     """Half value with fp32 locations: locations are not rounded to half on the way."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, location_dtype=torch.float32)
-    results = kit.assert_parity(inputs, "grid_sample", "naive")
+    results = kit.assert_parity(inputs, backend, "naive")
     assert [r.name for r in results][:1] == ["output"]
     # the same inputs with the locations rounded to half must be measurably worse: the dtype mattered
     rounded = dict(inputs, sampling_locations=inputs["sampling_locations"].to(dtype).float())
     exact = kit.run(kit.upcast(inputs), "naive")["output"]
-    err_mixed = (kit.run(inputs, "grid_sample")["output"].double() - exact).abs().max()
-    err_rounded = (kit.run(rounded, "grid_sample")["output"].double() - exact).abs().max()
+    err_mixed = (kit.run(inputs, backend)["output"].double() - exact).abs().max()
+    err_rounded = (kit.run(rounded, backend)["output"].double() - exact).abs().max()
     assert err_rounded > 2 * err_mixed
 
 

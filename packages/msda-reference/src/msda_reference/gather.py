@@ -1,11 +1,15 @@
-"""The ``gather`` backend: CPU inference without re-laying out ``value``.
+"""The ``gather`` backend: the CPU forward and backward, reading ``value`` in place as rows.
 
-``value`` (B, S, M, D) is read as B*S*M rows of D channels, a view. Every (b, q, m) output is a weighted
-sum of 4*L*P of those rows (the corners of its samples), which ``F.embedding_bag(mode="sum")`` computes
-with per-sample weights, never materializing the gathered rows. Half inputs are computed in float32.
+``value`` (B, S, M, D) is read as B*S*M rows of D channels, a view. Each of the R = B*Q*M outputs is a
+weighted sum of T = 4*L*P rows, the corners of its samples (its taps). The forward sums them with
+``F.embedding_bag(mode="sum")``, never materializing the gathered rows. The backward gathers the rows of
+each tap to take their dot products with grad_output, from which the weight and location gradients
+follow, and computes grad_value as the same sum transposed: the taps sorted stably by row, then one
+``embedding_bag`` over grad_output's rows. Every sum runs in a fixed order, so the backward is bitwise
+reproducible. Half inputs are computed in float32.
 
-The backward is grid_sample's: on the CPU it is faster than gathering the corner rows again for the dot
-products with grad_output (measured 2026-11-29 on 2 CPU threads, encoder B1 fp32: 1.22 s against 1.77 s).
+Tensor operations only, reading no tensor's values on the host, so tracing (torch.compile, export) sees
+all of it. Every corner row lies within value's rows of its own (b, m), whatever the level table says.
 """
 
 from __future__ import annotations
@@ -17,55 +21,165 @@ from msda_core import Backend
 
 from . import grid_sample
 
+_OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
+_FAR = 2.0 ** 24  # huge coordinates are clamped here: off the map, and exact in float32
+# Eager mode works through the query rows in chunks of about this many taps, so that temporaries of a few
+# MB stay in cache instead of being freshly mapped and faulted in (the encoder's forward took 2.4x longer in
+# one piece); the corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
+# A traced graph takes all rows at once: its compiler fuses the elementwise work and plans the memory.
+_CHUNK_TAPS = 1 << 19
+_GATHER_TAPS = 1 << 14
 
-def _corner_rows(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, dtype):
-    """For the R = B*Q*M outputs: the value rows of the 4 corners of each of their L*P samples and the
-    weights (attention weight x bilinear weight) to sum them with, (R, 4*L*P) each, and (R,) whether
-    every location of that output was finite. An off-map corner has row 0 and weight 0."""
+
+def _chunks(rows: int, taps_per_row: int, taps_per_chunk: int) -> list:
+    """[start, end) ranges covering range(rows) in chunks of about taps_per_chunk taps."""
+    if torch.compiler.is_compiling():
+        return [(0, rows)]
+    step = max(1, taps_per_chunk // taps_per_row)
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def _per_sample(per_level, P):
+    """(..., L) -> (..., L*P): each level's entry repeated for its P points."""
+    return per_level[..., None].expand(*per_level.shape, P).flatten(-2)
+
+
+class _Taps:
+    """The taps of a chunk of C query rows (C*M outputs), in the order (output, corner (dy, dx), sample).
+
+    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D). ``axis`` (C*M, 2 corners, 2 axes (x, y),
+    L*P): each corner's bilinear weight along each axis, 0 off the map; ``off_map``: 0 on the map, >= 1 off
+    it. A non-finite location's corners are off the map; ``nan`` (C*M, L*P) is NaN there, else 0, for the
+    results that must be NaN (its sample, its gradients).
+
+    Every operation runs over contiguous blocks of L*P samples with per-level constants expanded to
+    (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, took
+    5-20x longer per element."""
+
+    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype):
+        _, S, M, _ = value_shape
+        C, _, L, P, _ = locations.shape
+        R, LP = C * M, L * P
+        self.size = _per_sample(spatial_shapes.flip(-1).t().to(dtype), P)  # (2 axes, LP): W, then H
+        xy = locations.reshape(R, LP, 2).transpose(1, 2).contiguous() * self.size - 0.5  # align_corners=False
+        self.nan = (xy - xy).sum(1)
+        safe = xy.nan_to_num(_OFF_MAP, _OFF_MAP, _OFF_MAP).clamp_(_OFF_MAP, _FAR)
+        low = safe.floor()
+        frac = safe - low
+        corner = torch.stack((low, low + 1), 1)  # (R, 2 corners, 2 axes, LP)
+        index = torch.minimum(corner, self.size - 1).clamp_(min=0)
+        self.off_map = (corner - index).abs_()
+        # the weight (1 - frac, frac) where the corner is on the map; off it, off_map >= 1 >= the weight
+        self.axis = (torch.stack((1 - frac, frac), 1) - self.off_map).clamp_(min=0)
+        index_dtype = torch.int32 if value_shape[0] * S * M < 2 ** 31 else torch.int64
+        index = index.to(index_dtype)
+        col, row = index[:, :, 0], index[:, :, 1]  # (R, 2 corners, LP)
+        row_start = row * _per_sample(spatial_shapes[:, 1].to(index_dtype), P) + _per_sample(
+            level_start_index.to(index_dtype), P)
+        pixel = torch.stack([row_start[:, dy] + col[:, dx] for dy in (0, 1) for dx in (0, 1)], 1)
+        pixel = pixel.clamp_(0, S - 1).view(C, M, 4 * LP)  # a wrong level table still reads this (b, m)'s rows
+        head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
+        self.rows = torch.add(head, pixel, alpha=M).view(R, 4, LP)
+
+    def weights(self, attention_weights):
+        """(C*M, 4, L*P): each tap's attention weight times its bilinear weight."""
+        wx, wy = self.axis[:, :, 0], self.axis[:, :, 1]
+        a = attention_weights.view(wx.shape[0], -1)
+        a_wy = [a * wy[:, dy] for dy in (0, 1)]
+        return torch.stack([a_wy[dy] * wx[:, dx] for dy in (0, 1) for dx in (0, 1)], 1)
+
+
+def _flat(value, sampling_locations, attention_weights, dtype):
+    """value as (B*S*M, D) rows in ``dtype``; locations and weights with one leading dimension of B*Q query rows;
+    the batch index of each query row."""
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    size = spatial_shapes.to(dtype).flip(-1).view(1, 1, 1, L, 1, 2)  # (W, H) per level, matching (x, y)
-    xy = sampling_locations.to(dtype) * size - 0.5  # align_corners=False
-    finite = torch.isfinite(xy).all(-1)
-    # non-finite points off the map, huge ones clamped so .long() cannot overflow (their corners stay off)
-    xy = torch.where(finite[..., None], xy, -2.0).clamp(-2.0, 2.0 ** 24)
-    xy0 = torch.floor(xy)
-    fx, fy = (xy - xy0).unbind(-1)
-    x0, y0 = xy0.long().unbind(-1)
-    W, H = size[..., 0].long(), size[..., 1].long()
-    head_row = torch.arange(B).view(B, 1, 1, 1, 1) * S * M + torch.arange(M).view(1, 1, M, 1, 1)
-    start = level_start_index.to(torch.int64).view(1, 1, 1, L, 1)
-    a = attention_weights.to(dtype)
-    rows, weights = [], []
-    for dy, dx, bilinear in ((0, 0, (1 - fx) * (1 - fy)), (0, 1, fx * (1 - fy)), (1, 0, (1 - fx) * fy),
-                             (1, 1, fx * fy)):
-        r, c = y0 + dy, x0 + dx
-        inside = (r >= 0) & (r < H) & (c >= 0) & (c < W)
-        rows.append(torch.where(inside, head_row + (start + r * W + c) * M, 0))
-        weights.append(torch.where(inside, a * bilinear, 0.0))
-    R = B * Q * M
-    return (torch.stack(rows, -1).view(R, -1), torch.stack(weights, -1).view(R, -1),
-            finite.view(R, -1).all(1))
+    return (value.to(dtype).reshape(B * S * M, D), sampling_locations.reshape(B * Q, M, L, P, 2),
+            attention_weights.to(dtype).reshape(B * Q, M * L * P),
+            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q))
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
-    Q = sampling_locations.shape[1]
+    _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    rows, weights, finite = _corner_rows(value, spatial_shapes, level_start_index, sampling_locations,
-                                         attention_weights, dtype)
-    out = F.embedding_bag(rows, value.to(dtype).reshape(B * S * M, D), per_sample_weights=weights, mode="sum")
-    out = out.masked_fill(~finite[:, None], torch.nan)  # a non-finite location samples NaN
-    return out.reshape(B, Q, M * D).to(value.dtype)
+    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    out = []
+    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
+        R = taps.rows.shape[0]
+        tap_weights = taps.weights(weights[start:end].view(R, -1) + taps.nan).view(R, -1)  # non-finite: NaN
+        out.append(F.embedding_bag(taps.rows.view(R, -1), table, mode="sum", per_sample_weights=tap_weights))
+    return torch.cat(out).view(B, Q, M * D).to(value.dtype)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             grad_accum, deterministic):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    dtype = grid_sample.compute_dtype(value, sampling_locations)
+    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
+    rows, tap_weights, grad_locations, grad_weights = [], [], [], []
+    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
+        a = weights[start:end]
+        rows.append(taps.rows.view(-1))
+        tap_weights.append(taps.weights(a).view(-1))
+        grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
+        # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
+        grad_locations.append(grad_xy * a.view(-1, 1, L * P) * taps.size + taps.nan[:, None])
+        grad_weights.append(grad_a + taps.nan)
+    grad_locations = torch.cat(grad_locations).transpose(1, 2)
+    grad_weights = torch.cat(grad_weights)
+    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
+    return (grad_value.view(value.shape).to(value.dtype),
+            grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype),
+            grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
+
+
+def _location_and_weight_grads(taps, table, g):
+    """For each sample: (d out / d(x, y)) . g without the attention weight and level size, (C*M, 2, L*P), and
+    d out / d(attention weight) . g, (C*M, L*P), from the dot products of its 4 corner rows with g."""
+    R, _, LP = taps.rows.shape
+    d00, d01, d10, d11 = _tap_dots(taps.rows.view(R, 4 * LP), table, g).view(R, 4, LP).unbind(1)
+    (wx0, wy0), (wx1, wy1) = taps.axis[:, 0].unbind(1), taps.axis[:, 1].unbind(1)
+    on_x0, on_y0, on_x1, on_y1 = (1 - taps.off_map.clamp(max=1)).view(R, 4, LP).unbind(1)
+    column0, column1 = wy0 * d00 + wy1 * d10, wy0 * d01 + wy1 * d11  # interpolated along y
+    row0, row1 = wx0 * d00 + wx1 * d01, wx0 * d10 + wx1 * d11  # along x
+    grad_x = on_x1 * column1 - on_x0 * column0  # d(1 - frac)/dx = -1, d(frac)/dx = 1, on the map
+    grad_y = on_y1 * row1 - on_y0 * row0
+    return torch.stack((grad_x, grad_y), 1), wx0 * column0 + wx1 * column1
+
+
+def _tap_dots(rows, table, g):
+    """(R, T): the dot product of each tap's row of ``table`` with its output's row of ``g``."""
+    R, T = rows.shape
+    dots = []
+    for start, end in _chunks(R, T, _GATHER_TAPS):
+        corner_rows = F.embedding_bag(rows[start:end].reshape(-1, 1), table, mode="sum")  # a gather
+        dots.append(corner_rows.view(end - start, T, -1).mul_(g[start:end, None]).sum(-1))
+    return torch.cat(dots)
+
+
+def _transposed_sum(g, rows, weights, num_rows, T):
+    """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j,
+    in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps weigh 0."""
+    _, order = rows.sort(stable=True)
+    bag_of_tap = torch.div(order, T, rounding_mode="floor").to(rows.dtype)
+    counts = torch.zeros(num_rows, dtype=rows.dtype).index_add_(0, rows, torch.ones_like(rows))
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=rows.dtype)))
+    return F.embedding_bag(bag_of_tap, g, offsets, per_sample_weights=weights.index_select(0, order), mode="sum",
+                           include_last_offset=True)
 
 
 BACKEND = Backend(
     name="gather",
     forward=forward,
-    backward=grid_sample.backward,
+    backward=backward,
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset({"cpu"}),
-    reproducible_on=frozenset({"cpu"}),  # grid_sample's CPU backward adds in a fixed order
+    deterministic_on=frozenset({"cpu"}),  # every sum in a fixed order (stable sort, sequential bags)
     priority=20,  # faster than grid_sample on the CPU: no re-layout of value
 )
