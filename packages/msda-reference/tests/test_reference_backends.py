@@ -2,6 +2,8 @@
 the naive loops against grid_sample in float64, gather against the naive loops, the op's gradients against
 finite differences, and the op's registration against torch.library's, torch.compile's and export's checks."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,13 @@ def test_naive_matches_grid_sample_in_float64(case):
 @pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
 def test_gather_matches_naive(case, dtype):
     kit.assert_parity(kit.make_inputs(case, dtype), "gather", "naive")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["decoder_small", "encoder_small"])
+def test_gather_matches_float64_on_model_like_locations(name, dtype):
+    """Deformable DETR's sampling: neighbouring queries share corners, many locations lie off the coarse maps."""
+    kit.assert_parity(kit.make_inputs(replace(kit.case(name), layout="model_like"), dtype), "gather")
 
 
 def test_gather_backward_replays_bitwise():

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,3 +100,63 @@ def test_atomic_tolerance_refuses_cases_beyond_its_premise():
     actual = expected = {"grad_value": torch.zeros_like(inputs["value"])}
     with pytest.raises(ValueError, match="6000 atomic adds reach one element, beyond the K <= 4096"):
         kit.compare_results(inputs, actual, expected, grad_value_effect="atomic")
+
+
+def _pixel_offsets(c, dtype=torch.float64, seed=0):
+    """The model-like inputs, the reference points recovered as the mean location over heads, levels and
+    points (the heads' directions sum to 0), its noise's std (normalized units, per axis), and the locations
+    as offsets in pixels from it."""
+    inputs = kit.make_inputs(c, dtype, seed=seed)
+    loc = inputs["sampling_locations"].double()
+    size = torch.tensor([(w, h) for h, w in c.levels], dtype=torch.float64).reshape(-1, 2)
+    reference = loc.mean((2, 3, 4), keepdim=True)
+    # N(0, 1) pixels per term, over (W_l, H_l): the mean of M*L*P of them
+    reference_std = (c.heads * c.points * size.pow(-2).sum(0)).sqrt() / (c.heads * len(c.levels) * c.points)
+    return inputs, reference, reference_std, (loc - reference) * size.reshape(1, 1, 1, -1, 1, 2)
+
+
+def test_model_like_encoder_queries_sit_on_their_own_pixel_centres():
+    c = replace(kit.case("encoder_small"), batch=2, layout="model_like")
+    _, reference, reference_std, _ = _pixel_offsets(c)
+    # query i is pixel i of the levels in order: its reference is that pixel's centre
+    expected = torch.cat([torch.stack(((torch.arange(w).repeat(h) + 0.5) / w,
+                                       (torch.arange(h).repeat_interleave(w) + 0.5) / h), -1) for h, w in c.levels])
+    error = reference[:, :, 0, 0, 0] - expected
+    assert (error.abs() < 5 * reference_std).all()
+    z = error / reference_std  # noise of std 1: not shifted, not scaled
+    assert (z.mean((0, 1)).abs() < 0.2).all() and 0.8 < z.std() < 1.2
+
+
+def test_model_like_offsets_point_each_head_its_way_on_every_level():
+    c = replace(kit.case("decoder_small"), queries=400, layout="model_like")
+    *_, offsets = _pixel_offsets(c)
+    mean = offsets.mean((0, 1))  # (M, L, P, 2): the noise averages out over the queries
+    M, P = c.heads, c.points
+    for m in range(M):
+        angle = torch.atan2(mean[m, ..., 1], mean[m, ..., 0])
+        expected = torch.tensor(2 * math.pi * m / M)
+        assert (torch.remainder(angle - expected + math.pi, 2 * math.pi) - math.pi).abs().max() < 0.1
+    max_norm = mean.abs().amax(-1)  # (M, L, P): p + 1, the same on every level
+    assert torch.allclose(max_norm, torch.arange(1, P + 1, dtype=torch.float64).expand_as(max_norm), atol=0.2)
+    noise = offsets - mean
+    assert 0.9 < noise.std() < 1.1  # N(0, 1) pixels
+
+
+def test_model_like_decoder_references_are_uniform_and_weights_a_softmax():
+    c = replace(kit.case("decoder_small"), batch=4, queries=500, layout="model_like")
+    inputs, reference, _, _ = _pixel_offsets(c)
+    reference = reference[:, :, 0, 0, 0]  # (B, Q, 2)
+    assert reference.min() > -0.1 and reference.max() < 1.1
+    assert (reference.mean((0, 1)) - 0.5).abs().max() < 0.03  # uniform in [0, 1]: mean 1/2, std 12^-1/2
+    assert (reference.std((0, 1)) - 12 ** -0.5).abs().max() < 0.03
+    weights = inputs["attention_weights"]
+    assert (weights > 0).all() and torch.allclose(weights.sum((-1, -2)), torch.ones((), dtype=weights.dtype))
+
+
+def test_model_like_is_seeded_and_the_same_in_every_dtype():
+    c = replace(kit.case("encoder_small"), layout="model_like")
+    a = kit.make_inputs(c, torch.float64)["sampling_locations"]
+    assert torch.equal(a, kit.make_inputs(c, torch.float64)["sampling_locations"])
+    assert not torch.equal(a, kit.make_inputs(c, torch.float64, seed=1)["sampling_locations"])
+    assert torch.equal(a.bfloat16(), kit.make_inputs(c, torch.bfloat16)["sampling_locations"])
+    msda_core.validation.check_inputs(**kit.make_inputs(c, torch.float16))

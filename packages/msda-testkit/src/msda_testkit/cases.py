@@ -28,7 +28,7 @@ class Case:
     levels: tuple = TINY_LEVELS
     points: int = 2
     loc_range: tuple = (0.0, 1.0)
-    layout: str = "random"  # random | pixel_centres | map_corners | past_edges | away_from_pixels | nonfinite
+    layout: str = "random"  # random | model_like | pixel_centres | map_corners | past_edges | away_from_pixels | nonfinite
     contiguous: bool = True
     pass_level_start: bool = True
     index_dtype: torch.dtype = torch.int64
@@ -87,8 +87,39 @@ def with_head_dim(c: Case, head_dim: int) -> Case:
     return replace(c, name=f"{c.name}_d{head_dim}", head_dim=head_dim)
 
 
+def _model_like_locations(c: Case, g: torch.Generator) -> torch.Tensor:
+    """Locations as Deformable DETR samples them at initialisation (loc_range is not used).
+
+    Reference points: with one query per pixel (Q = S, the encoder) query i is pixel i of the levels in order,
+    its reference that pixel's centre ((j + 0.5) / W_l, (i + 0.5) / H_l); otherwise (the decoder) uniform in
+    [0, 1]^2. Offsets in pixels: head m points along (cos t, sin t), t = 2 pi m / M, scaled to unit max-norm,
+    times p + 1 for point p, the same on every level, plus N(0, 1) pixel noise. Location = reference +
+    offset / (W_l, H_l).
+    """
+    B, Q, M, L, P = c.batch, c.queries, c.heads, len(c.levels), c.points
+    size = torch.tensor([(w, h) for h, w in c.levels], dtype=torch.float64).reshape(1, 1, 1, L, 1, 2)
+    if Q == c.spatial_size:
+        centres = []
+        for h, w in c.levels:
+            i, j = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
+                                  indexing="ij")
+            centres.append(torch.stack(((j + 0.5) / w, (i + 0.5) / h), -1).reshape(h * w, 2))
+        reference = torch.cat(centres).reshape(1, Q, 1, 1, 1, 2)
+    else:
+        reference = torch.rand(B, Q, 1, 1, 1, 2, generator=g, dtype=torch.float64)
+    angle = 2 * math.pi * torch.arange(M, dtype=torch.float64) / M
+    direction = torch.stack((angle.cos(), angle.sin()), -1)
+    direction = direction / direction.abs().amax(-1, keepdim=True)
+    points = torch.arange(1, P + 1, dtype=torch.float64).reshape(1, 1, 1, 1, P, 1)
+    offset = direction.reshape(1, 1, M, 1, 1, 2) * points + torch.randn(B, Q, M, L, P, 2, generator=g,
+                                                                         dtype=torch.float64)
+    return reference + offset / size
+
+
 def _locations(c: Case, g: torch.Generator) -> torch.Tensor:
     B, Q, M, L, P = c.batch, c.queries, c.heads, len(c.levels), c.points
+    if c.layout == "model_like":
+        return _model_like_locations(c, g)
     lo, hi = c.loc_range
     loc = lo + (hi - lo) * torch.rand(B, Q, M, L, P, 2, generator=g, dtype=torch.float64)
     if c.layout in ("pixel_centres", "map_corners", "past_edges", "away_from_pixels"):
