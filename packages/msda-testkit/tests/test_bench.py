@@ -1,7 +1,11 @@
-"""The bench's bandwidth floor counts what must move, and no more."""
+"""The bench: its bandwidth floor counts what must move, and no more; its CPU baseline is the op; its CPU comparison."""
 
+import json
+
+import pytest
 import torch
 
+import msda_testkit as kit
 from msda_testkit import bench
 from msda_testkit.cases import Case, make_inputs
 
@@ -23,3 +27,37 @@ def test_must_move_bytes_counts_only_the_value_rows_that_samples_read():
     assert bench.must_move_bytes(inputs) == (rows_read + others, rows_read + others + gradients)
     weights[:, :, :, 0] = 0  # nothing weighted: no row of value must move
     assert bench.must_move_bytes(inputs) == (others, others + gradients)
+
+
+@pytest.mark.parametrize("case", [kit.case("out_of_bounds"), kit.case("decoder_small")], ids=lambda c: c.name)
+def test_mmcv_pytorch_matches_float64(case):
+    """The CPU baseline is the op: mmcv's formulation computes the same output and gradients."""
+    inputs = make_inputs(case, torch.float64)
+    leaves = bench.training_leaves(make_inputs(case, torch.float64))
+    grad_output = kit.grad_output_for(inputs)
+    out = bench.mmcv_pytorch(**leaves)
+    actual = {"output": out.detach(),
+              **dict(zip(kit.GRAD_NAMES, torch.autograd.grad(out, [leaves[k] for k in kit.DIFFERENTIABLE],
+                                                             grad_output)))}
+    for result in kit.compare_results(inputs, actual, kit.reference(inputs)):
+        assert result.passed, result
+
+
+def test_cpu_comparison_times_both_and_writes_json(tmp_path):
+    path = tmp_path / "cpu.json"
+    tiny = [Case("tiny_decoder", queries=4, heads=2, head_dim=4, levels=((4, 6), (2, 3)), points=2)]
+    bench.CPU_CASES, saved = tiny, bench.CPU_CASES
+    try:
+        assert bench.main(["--device", "cpu", "--layouts", "model_like", "--rounds", "2", "--threads", "1",
+                           "--json", str(path)]) == 0
+    finally:
+        bench.CPU_CASES = saved
+    rows = json.loads(path.read_text())["rows"]
+    assert bench.LAYOUTS[0] == "model_like" and [r["locations"] for r in rows] == ["model_like"]
+    for r in rows:
+        assert r["rounds"] == 2 and r["max_abs_diff"] < 1e-5
+        for name in bench.CPU_IMPLEMENTATIONS:
+            for mode in bench.CPU_MODES:
+                lo, hi = r[f"{name} {mode} spread ms"]
+                assert 0 < lo <= r[f"{name} {mode} ms"] <= hi
+        assert r["inference speedup"] == r["mmcv_pytorch inference ms"] / r["gather inference ms"]

@@ -1,12 +1,15 @@
 """``python -m msda_testkit.bench``: forward and backward times of every available backend.
 
-For each backend, dtype and case: the median forward time and backward time (forward+backward minus
-forward, through autograd as users call it, host overhead included), the same work replayed from a CUDA
-graph (kernel time without host overhead), peak extra memory of one forward+backward, and effective
-bandwidth (the bytes that must move at least once, over the time) as a fraction of the device-to-device
-copy bandwidth measured in the same run. Prints a table, writes JSON (with the environment) and, when
-matplotlib is present, a PNG of time against work. On a CPU machine it runs the CPU backends on
-smaller cases.
+On the GPU, for each backend, dtype, case and location distribution (model-like first, then uniform): the
+median forward time and backward time (forward+backward minus forward, through autograd as users call it,
+host overhead included), the same work replayed from a CUDA graph (kernel time without host overhead), peak
+extra memory of one forward+backward, and effective bandwidth (the bytes that must move at least once, over
+the time) as a fraction of the device-to-device copy bandwidth measured in the same run. Prints a table,
+writes JSON (with the environment) and, when matplotlib is present, a PNG of time against work.
+
+On the CPU it times the ``gather`` backend against mmcv's PyTorch formulation (one grid_sample per level,
+``mmcv_pytorch``) side by side, decoder B1 Q300 and encoder B1, inference and forward+backward, taking turns
+for ``--rounds`` rounds: medians over the rounds, with their spread.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+import torch.nn.functional as F
 from tabulate import tabulate
 
 import msda_core
@@ -35,6 +39,11 @@ SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (
     tuple(replace(GPU_CASES[1], name=f"sweep_b{b}_q{DETR_S}", batch=b) for b in (1, 4))
 CPU_CASES = (Case("decoder_b1_q300", batch=1, queries=300, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
              Case("encoder_b1", batch=1, queries=DETR_S, heads=8, head_dim=32, levels=DETR_LEVELS, points=4))
+LAYOUTS = ("model_like", "random")  # the location distributions: as Deformable DETR samples, and uniform
+
+
+def with_layout(case: Case, layout: str) -> Case:
+    return replace(case, layout=layout)
 
 
 def must_move_bytes(inputs: dict) -> tuple:
@@ -120,7 +129,7 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
                                           deterministic=deterministic)
 
     forward_backward = with_backward(forward, leaves, grad_output)
-    row = {"case": case.name, "dtype": str(dtype)[6:], "backend": backend,
+    row = {"case": case.name, "locations": case.layout, "dtype": str(dtype)[6:], "backend": backend,
            "grad_accum": "deterministic" if deterministic else grad_accum,
            "B": case.batch, "Q": case.queries}
     row["fwd_ms"] = median_ms(forward, device, repeats)
@@ -171,10 +180,11 @@ def _plot(rows, path):
             series = {}
             for r in rows:
                 if r.get(key + suffix) is not None:
-                    series.setdefault((r["backend"], r["dtype"]), []).append((r["B"] * r["Q"], r[key + suffix]))
-            for i, ((backend, dtype), points) in enumerate(sorted(series.items())):
+                    series.setdefault((r["backend"], r["dtype"], r.get("locations", "random")), []).append(
+                        (r["B"] * r["Q"], r[key + suffix]))
+            for i, ((backend, dtype, locations), points) in enumerate(sorted(series.items())):
                 points.sort()
-                label = f"{backend} {dtype}" + (" (graph)" if suffix == "_graph_ms" else "")
+                label = f"{backend} {dtype} {locations}" + (" (graph)" if suffix == "_graph_ms" else "")
                 ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="queries x batch", ylabel="median ms",
                title="forward" if key == "fwd" else "backward")
@@ -186,56 +196,144 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.bench", __doc__)
-    cli.add_device(parser)
-    parser.add_argument("--backends", nargs="*",
-                        help="the backends to time (default: every one that runs on the device)")
-    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
-    parser.add_argument("--no-sweep", action="store_true", help="only the standard cases, not the GPU's size sweep")
-    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"],
-                        help="grad_value accumulation paths to time")
-    parser.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
-    parser.add_argument("--repeats", type=int, default=5, help="CPU: the fewest timed runs (and >= 1 s of them)")
-    parser.add_argument("--json", default="bench.json", help="where the results and the environment are written "
-                        "(a relative path is in the current folder)")
-    parser.add_argument("--plot", default="bench.png", help="where the plot of time against work is written, "
-                        "if matplotlib is installed (a relative path is in the current folder)")
-    parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a JSON this tool wrote")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backends", nargs="*", help="GPU: default every backend that runs on the device")
+    parser.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="default: all on the GPU, fp32 on the CPU")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        help="location distributions: model-like (Deformable DETR's), random (uniform)")
+    parser.add_argument("--no-sweep", action="store_true", help="GPU: only the standard cases")
+    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"])
+    parser.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+    parser.add_argument("--threads", type=int, default=2, help="CPU: torch.set_num_threads")
+    parser.add_argument("--rounds", type=int, default=5, help="CPU: rounds in which the implementations take turns")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="CPU: the fewest timed runs per round (and >= 1 s of them)")
+    parser.add_argument("--json", default="bench.json", help="where the results go (default: %(default)s)")
+    parser.add_argument("--plot", default="bench.png", help="GPU: where the plot goes (default: %(default)s)")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from a JSON this tool wrote")
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
             _plot(json.load(f)["rows"], args.plot)
         return 0
-    device = cli.device(parser.prog, args.device)
-    cases = GPU_CASES + (() if args.no_sweep else SWEEP) if device.type == "cuda" else CPU_CASES
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        return compare_cpu(args)
+    cases = GPU_CASES + (() if args.no_sweep else SWEEP)
     backends = args.backends or sorted(n for n, b in msda_core.backends().items()
                                        if device.type in b.auto_devices)
     env = environment(device)
-    if device.type == "cuda":
-        env["copy_bandwidth_tb_s"] = copy_bandwidth(device) / 1e12
+    env["copy_bandwidth_tb_s"] = copy_bandwidth(device) / 1e12
     rows = []
-    for case in cases:
-        for dtype_name in args.dtypes:
+    for case in (with_layout(c, layout) for c in cases for layout in args.layouts):
+        for dtype_name in args.dtypes or list(DTYPES):
             for backend, grad_accum in ((b, a) for b in backends for a in args.grad_accum):
                 row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum,
                               args.deterministic)
-                if "copy_bandwidth_tb_s" in env:
-                    bandwidth = env["copy_bandwidth_tb_s"] * 1e12
-                    for key in ("fwd", "bwd"):
-                        ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
-                        row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
+                bandwidth = env["copy_bandwidth_tb_s"] * 1e12
+                for key in ("fwd", "bwd"):
+                    ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
+                    row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
                 rows.append(row)
-                print(f"{row['case']} {row['dtype']} {backend} {row['grad_accum']}: fwd {row['fwd_ms']:.4g} ms, "
-                      f"bwd {row['bwd_ms']:.4g} ms", flush=True)
-    columns = ["case", "dtype", "backend", "grad_accum", "fwd_ms", "bwd_ms", "fwd_graph_ms", "bwd_graph_ms", "peak_extra_mb",
-               "fwd_bw_frac", "bwd_bw_frac"]
+                print(f"{row['case']} {row['locations']} {row['dtype']} {backend} {row['grad_accum']}: "
+                      f"fwd {row['fwd_ms']:.4g} ms, bwd {row['bwd_ms']:.4g} ms", flush=True)
+    columns = ["case", "locations", "dtype", "backend", "grad_accum", "fwd_ms", "bwd_ms", "fwd_graph_ms",
+               "bwd_graph_ms", "peak_extra_mb", "fwd_bw_frac", "bwd_bw_frac"]
     columns = [c for c in columns if any(c in r for r in rows)]
     print(json.dumps(env))
     print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
-    with open(args.json, "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    _write_json(args.json, env, rows)
     _plot(rows, args.plot)
+    return 0
+
+
+def _write_json(path, env, rows):
+    with open(path, "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+def mmcv_pytorch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """mmcv's PyTorch formulation (``multi_scale_deformable_attn_pytorch``), the CPU baseline: each level of
+    value laid out as (B*M, D, H, W) and sampled with one F.grid_sample at 2 * loc - 1; level_start_index
+    unused, as there (the levels follow each other)."""
+    B, _, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    shapes = spatial_shapes.tolist()
+    levels = value.split([h * w for h, w in shapes], dim=1)
+    grids = 2 * sampling_locations - 1
+    samples = []
+    for level, (h, w) in enumerate(shapes):
+        value_l = levels[level].flatten(2).transpose(1, 2).reshape(B * M, D, h, w)
+        grid_l = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)  # (B*M, Q, P, 2)
+        samples.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
+    weights = attention_weights.transpose(1, 2).reshape(B * M, 1, Q, L * P)
+    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1)  # (B*M, D, Q)
+    return out.view(B, M * D, Q).transpose(1, 2).contiguous()
+
+
+CPU_IMPLEMENTATIONS = {
+    "gather": lambda **inputs: torch.ops.msda.deform_attn(**inputs, backend="gather"),
+    "mmcv_pytorch": lambda **inputs: mmcv_pytorch(**inputs),
+}
+CPU_MODES = ("inference", "fwd+bwd")
+
+
+def compare_row(case: Case, dtype: torch.dtype, rounds: int, repeats: int) -> dict:
+    """One case on the CPU: each implementation's median time over ``rounds`` rounds, inference (under
+    torch.inference_mode) and forward+backward (torch.autograd.grad into value, locations and weights),
+    the implementations taking turns each round; the spread of the rounds; the speedups of gather."""
+    cpu = torch.device("cpu")
+    inputs = make_inputs(case, dtype)
+    leaves = training_leaves(make_inputs(case, dtype))
+    grad_output = grad_output_for(inputs)
+    calls = {}
+    for name, fn in CPU_IMPLEMENTATIONS.items():
+        def inference(fn=fn):
+            with torch.inference_mode():
+                return fn(**inputs)
+        calls[name, "inference"] = inference
+        calls[name, "fwd+bwd"] = with_backward(lambda fn=fn: fn(**leaves), leaves, grad_output)
+    times = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            times[key].append(median_ms(fn, cpu, repeats))
+    outputs = [calls[name, "inference"]().float() for name in CPU_IMPLEMENTATIONS]
+    row = {"case": case.name, "locations": case.layout, "dtype": str(dtype)[6:], "rounds": rounds,
+           "max_abs_diff": (outputs[0] - outputs[1]).abs().max().item()}
+    for (name, mode), ts in times.items():
+        row[f"{name} {mode} ms"] = statistics.median(ts)
+        row[f"{name} {mode} spread ms"] = [min(ts), max(ts)]
+    for mode in CPU_MODES:
+        row[f"{mode} speedup"] = row[f"mmcv_pytorch {mode} ms"] / row[f"gather {mode} ms"]
+    return row
+
+
+def _cpu_table(rows) -> str:
+    timed = [f"{name} {mode}" for mode in CPU_MODES for name in CPU_IMPLEMENTATIONS]
+    headers = ["case", "locations", "dtype"] + [f"{t} ms" for t in timed] + [f"{m} speedup" for m in CPU_MODES]
+    table = []
+    for r in rows:
+        spreads = [r[f"{t} spread ms"] for t in timed]
+        table.append([r["case"], r["locations"], r["dtype"]]
+                     + [f"{r[f'{t} ms']:.4g} ({lo:.4g}-{hi:.4g})" for t, (lo, hi) in zip(timed, spreads)]
+                     + [round(r[f"{m} speedup"], 2) for m in CPU_MODES])
+    return tabulate(table, headers=headers)
+
+
+def compare_cpu(args) -> int:
+    torch.set_num_threads(args.threads)
+    env = environment(torch.device("cpu"))
+    rows = []
+    for case in (with_layout(c, layout) for c in CPU_CASES for layout in args.layouts):
+        for dtype_name in args.dtypes or ["fp32"]:
+            rows.append(compare_row(case, DTYPES[dtype_name], args.rounds, args.repeats))
+            print(rows[-1], flush=True)
+    print(json.dumps(env))
+    print(f"medians over {args.rounds} rounds (min-max of the rounds), {args.threads} threads")
+    print(_cpu_table(rows))
+    _write_json(args.json, env, rows)
     return 0
 
 
