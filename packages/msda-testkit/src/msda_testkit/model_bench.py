@@ -1,0 +1,219 @@
+"""``python -m msda_testkit.model_bench``: training steps of transformers' Deformable DETR, per attention path (GPU).
+
+The model is built from a ``DeformableDetrConfig`` with random weights and nothing fetched: transformers' own
+ResNet-50 backbone config (``use_timm_backbone=False``, ``use_pretrained_backbone=False``). Batch 2 at 3x800x1333
+and 3x512x683. A step is the forward, a loss (mean squared class logits plus mean box coordinates: a scalar that
+reaches both heads, without the Hungarian matcher, which syncs with the host and needs scipy) and the backward.
+
+For each image size, precision (fp32, bf16 autocast), mode (eager, ``torch.compile``) and attention path (the
+model's own PyTorch attention, msda, deformops' patch where installed): the median step time over ``--steps`` steps
+after warm-up, the peak memory of a step, and, from torch.profiler, the attention's GPU time per step and its
+share of the step's GPU time. Attention kernels are those launched under the path's ops (``ATTENTION_OPS``) or
+named for them (``ATTENTION_KERNELS``: compiled code inlines deformops' Triton ops and fuses grid_sample).
+Prints a table, writes JSON. ``--device cpu --tiny`` runs a tiny model on the CPU: a check that the script
+works (its times mean nothing; the attention share is of CPU time there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+
+import torch
+from tabulate import tabulate
+
+import msda_core
+
+from .bench import environment
+
+SIZES = ("800x1333", "512x683")
+TINY_SIZE = "64x96"
+PRECISIONS = ("fp32", "bf16")
+MODES = ("eager", "compile")
+ATTENTION_OPS = {"pytorch": ("aten::grid_sampler_2d",), "msda": ("msda::",),
+                 "deformops": ("deformops_triton::", "deformops_cuda::")}
+ATTENTION_KERNELS = {"pytorch": ("grid_sampler_2d",), "msda": (), "deformops": ("msda_",)}
+
+
+class MsdaAttention(torch.nn.Module):
+    """Stands in for transformers' stateless ``MultiScaleDeformableAttention`` core, with its forward arguments."""
+
+    def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
+                attention_weights, im2col_step):
+        # under autocast the weights (a softmax) may come in another dtype than the locations; the op takes one
+        return torch.ops.msda.deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
+                                          attention_weights.to(sampling_locations.dtype))
+
+
+def patch_msda(model):
+    """msda_core.patch where this msda has it, else swap every attention wrapper's ``.attn`` core for MsdaAttention."""
+    if hasattr(msda_core, "patch"):
+        msda_core.patch(model)
+        return model
+    wrappers = [m for m in model.modules() if type(getattr(m, "attn", None)).__name__ == "MultiScaleDeformableAttention"]
+    if not wrappers:
+        raise RuntimeError("no MultiScaleDeformableAttention found: this transformers names it differently")
+    for wrapper in wrappers:
+        wrapper.attn = MsdaAttention()
+    return model
+
+
+def patch_deformops(model):
+    return importlib.import_module("deformops.integrations.transformers").patch(model)
+
+
+PATCHES = {"pytorch": lambda model: model, "msda": patch_msda, "deformops": patch_deformops}
+
+
+def build_model(tiny: bool):
+    """A Deformable DETR for object detection with random weights; ``tiny``: a few thousand parameters."""
+    from transformers import DeformableDetrConfig, DeformableDetrForObjectDetection, ResNetConfig
+
+    stages = ["stage2", "stage3", "stage4"]  # strides 8, 16, 32; the fourth level is a strided conv on the last
+    if tiny:
+        backbone = ResNetConfig(out_features=stages, embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])
+        sizes = dict(d_model=32, encoder_layers=1, decoder_layers=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                     num_queries=10)
+    else:
+        backbone, sizes = ResNetConfig(out_features=stages), {}
+    config = DeformableDetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+                                  **sizes)
+    return DeformableDetrForObjectDetection(config)
+
+
+def _loss(outputs):
+    return outputs.logits.float().square().mean() + outputs.pred_boxes.float().mean()
+
+
+def attention_time(profile, path: str, device_type: str) -> tuple:
+    """(attention time, total time) in microseconds from a torch.profiler profile: on the GPU, over the kernels,
+    a kernel counting as attention when a CPU op above its launch matches ATTENTION_OPS[path] or its name matches
+    ATTENTION_KERNELS[path]; on the CPU, the matching top-level ops' CPU time over all ops' self CPU time."""
+    events = profile.events()
+    ops, kernels = ATTENTION_OPS[path], ATTENTION_KERNELS[path]
+    if device_type == "cpu":
+        def under_match(e):
+            return any(a.name.startswith(ops) for a in _ancestors(e.cpu_parent))
+        attention = sum(e.cpu_time_total for e in events if e.name.startswith(ops) and not under_match(e))
+        return attention, sum(e.self_cpu_time_total for e in events)
+    by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    attention = total = 0.0
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        duration = e.time_range.elapsed_us()
+        total += duration
+        launch = by_id.get(e.linked_correlation_id)
+        if any(k in e.name for k in kernels) or any(a.name.startswith(ops) for a in _ancestors(launch)):
+            attention += duration
+    return attention, total
+
+
+def _ancestors(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def measure(path: str, size: str, precision: str, mode: str, args, device) -> dict:
+    torch.manual_seed(0)
+    model = PATCHES[path](build_model(args.tiny)).to(device).train()
+    step_model = torch.compile(model) if mode == "compile" else model
+    height, width = map(int, size.split("x"))
+    pixels = torch.randn(args.batch, 3, height, width, device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = _loss(step_model(pixel_values=pixels))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        synchronize()
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    row = {"path": path, "size": size, "precision": precision, "mode": mode, "batch": args.batch,
+           "step_ms": statistics.median(times), "step_spread_ms": [min(times), max(times)]}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize()
+        row["peak_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(args.profile_steps):
+            step()
+        synchronize()
+    attention, total = attention_time(profile, path, device.type)
+    row["attention_ms_per_step"] = attention / 1e3 / args.profile_steps
+    row["attention_share"] = attention / total if total else None
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE} (checks the script on the CPU)")
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="images, HxW")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--paths", nargs="*", default=list(PATCHES), choices=list(PATCHES),
+                        help="attention paths (deformops: skipped when it is not installed)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
+    parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled for the attention's share")
+    parser.add_argument("--json", default="model_bench.json", help="where the results go (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        importlib.import_module("transformers")
+    except ImportError:
+        print("model_bench needs transformers (pip install transformers); it is not installed")
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("model_bench runs on a CUDA GPU and none is available (--device cpu --tiny checks the script)")
+        return 2
+    paths = list(args.paths)
+    if "deformops" in paths and importlib.util.find_spec("deformops") is None:
+        print("deformops is not installed: its path is skipped")
+        paths.remove("deformops")
+    rows = []
+    for size in [TINY_SIZE] if args.tiny else args.sizes:
+        for precision in args.precisions:
+            for mode in args.modes:
+                for path in paths:
+                    try:
+                        rows.append(measure(path, size, precision, mode, args, device))
+                    except Exception as err:  # one path failing (say, to compile) must not end the run
+                        rows.append({"path": path, "size": size, "precision": precision, "mode": mode,
+                                     "error": f"{type(err).__name__}: {err}"})
+                    print(rows[-1], flush=True)
+    env = environment(device)
+    env["transformers"] = importlib.import_module("transformers").__version__
+    print(json.dumps(env))
+    columns = ["size", "precision", "mode", "path", "step_ms", "peak_mb", "attention_ms_per_step", "attention_share",
+               "error"]
+    columns = [c for c in columns if any(c in r for r in rows)]
+    print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
+    with open(args.json, "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
