@@ -39,7 +39,8 @@ def test_tiny_cpu_run_writes_well_formed_rows(tmp_path):
     result = json.loads(path.read_text())
     assert result["environment"]["transformers"] == transformers.__version__
     rows = result["rows"]
-    assert [(r["path"], r["precision"]) for r in rows] == [(p, q) for q in ("fp32", "bf16") for p in ("pytorch", "msda")]
+    expected = [(path, precision) for precision in ("fp32", "bf16") for path in ("pytorch", "msda")]
+    assert [(r["path"], r["precision"]) for r in rows] == expected
     for r in rows:
         assert "error" not in r, r
         assert r["size"] == model_bench.TINY_SIZE and r["mode"] == "eager"

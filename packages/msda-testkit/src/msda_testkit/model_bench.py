@@ -53,7 +53,8 @@ def patch_msda(model):
     if hasattr(msda_core, "patch"):
         msda_core.patch(model)
         return model
-    wrappers = [m for m in model.modules() if type(getattr(m, "attn", None)).__name__ == "MultiScaleDeformableAttention"]
+    wrappers = [m for m in model.modules()
+                if type(getattr(m, "attn", None)).__name__ == "MultiScaleDeformableAttention"]
     if not wrappers:
         raise RuntimeError("no MultiScaleDeformableAttention found: this transformers names it differently")
     for wrapper in wrappers:
@@ -74,7 +75,8 @@ def build_model(tiny: bool):
 
     stages = ["stage2", "stage3", "stage4"]  # strides 8, 16, 32; the fourth level is a strided conv on the last
     if tiny:
-        backbone = ResNetConfig(out_features=stages, embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])
+        backbone = ResNetConfig(out_features=stages, embedding_size=8, hidden_sizes=[8, 16, 16, 16],
+                                depths=[1, 1, 1, 1])
         sizes = dict(d_model=32, encoder_layers=1, decoder_layers=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
                      num_queries=10)
     else:
@@ -205,8 +207,8 @@ def main(argv=None) -> int:
     env = environment(device)
     env["transformers"] = importlib.import_module("transformers").__version__
     print(json.dumps(env))
-    columns = ["size", "precision", "mode", "path", "step_ms", "peak_mb", "attention_ms_per_step", "attention_share",
-               "error"]
+    columns = ["size", "precision", "mode", "path", "step_ms", "peak_mb", "attention_ms_per_step",
+               "attention_share", "error"]
     columns = [c for c in columns if any(c in r for r in rows)]
     print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
     with open(args.json, "w") as f:
