@@ -168,7 +168,7 @@ def measure(path: str, size: str, precision: str, mode: str, args, device) -> di
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE} (checks the script on the CPU)")
+    parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE}, to check the script")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="images, HxW")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
