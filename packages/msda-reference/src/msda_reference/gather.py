@@ -134,7 +134,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     grad_weights = torch.cat(grad_weights)
     grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
     return (grad_value.view(value.shape).to(value.dtype),
-            grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype),
+            grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype).contiguous(),
             grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
 
 
