@@ -24,8 +24,8 @@ from . import grid_sample
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
 _FAR = 2.0 ** 24  # huge coordinates are clamped here: off the map, and exact in float32
 # Eager mode works through the query rows in chunks of about this many taps, so that temporaries of a few
-# MB stay in cache instead of being freshly mapped and faulted in (the encoder's forward took 2.4x longer in
-# one piece); the corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
+# MB stay in cache instead of being freshly mapped and faulted in (BENCHMARKS.md has the measurement); the
+# corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
 # A traced graph takes all rows at once: its compiler fuses the elementwise work and plans the memory.
 _CHUNK_TAPS = 1 << 19
 _GATHER_TAPS = 1 << 14
@@ -53,8 +53,8 @@ class _Taps:
     results that must be NaN (its sample, its gradients).
 
     Every operation runs over contiguous blocks of L*P samples with per-level constants expanded to
-    (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, took
-    5-20x longer per element (CPU, 2026-12-01)."""
+    (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, runs
+    several times slower per element on the CPU."""
 
     def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype):
         _, S, M, _ = value_shape
