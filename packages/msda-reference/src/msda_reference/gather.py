@@ -154,9 +154,11 @@ def _location_and_weight_grads(taps, table, g):
 def _tap_dots(rows, table, g):
     """(R, T): the dot product of each tap's row of ``table`` with its output's row of ``g``."""
     R, T = rows.shape
+    pieces = _chunks(R, T, _GATHER_TAPS)
+    one_row_bags = torch.arange((pieces[0][1] - pieces[0][0]) * T, dtype=rows.dtype)  # embedding_bag as a gather
     dots = []
-    for start, end in _chunks(R, T, _GATHER_TAPS):
-        corner_rows = F.embedding_bag(rows[start:end].reshape(-1, 1), table, mode="sum")  # a gather
+    for start, end in pieces:
+        corner_rows = F.embedding_bag(rows[start:end].reshape(-1), table, one_row_bags[:(end - start) * T], mode="sum")
         dots.append(corner_rows.view(end - start, T, -1).mul_(g[start:end, None]).sum(-1))
     return torch.cat(dots)
 
