@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from msda_core import Backend
 
 from . import grid_sample
@@ -181,6 +180,7 @@ BACKEND = Backend(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     auto_devices=frozenset({"cpu"}),
-    deterministic_on=frozenset({"cpu"}),  # every sum in a fixed order (stable sort, sequential bags)
+    reproducible_on=frozenset({"cpu"}),  # every sum in a fixed order (stable sort, sequential bags)
     priority=20,  # faster than grid_sample on the CPU: no re-layout of value
+    traceable=True,  # torch operations only, no host reads: compile, export and AOTInductor see through it
 )
