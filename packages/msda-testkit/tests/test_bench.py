@@ -2,10 +2,9 @@
 
 import json
 
+import msda_testkit as kit
 import pytest
 import torch
-
-import msda_testkit as kit
 from msda_testkit import bench
 from msda_testkit.cases import Case, make_inputs
 

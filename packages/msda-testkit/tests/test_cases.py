@@ -1,11 +1,10 @@
 import math
 from dataclasses import replace
 
-import pytest
-import torch
-
 import msda_core
 import msda_testkit as kit
+import pytest
+import torch
 
 
 @pytest.mark.parametrize("case", kit.EDGE_CASES + kit.SMALL_CASES, ids=lambda c: c.name)
@@ -63,7 +62,8 @@ def test_parity_check_catches_a_wrong_backend():
     grid_sample = msda_core.backends()["grid_sample"]
 
     def shifted(value, shapes, starts, loc, weights):
-        return grid_sample.forward(value, shapes, starts, loc + 0.5 / shapes.flip(-1).reshape(1, 1, 1, -1, 1, 2), weights)
+        half_pixel = 0.5 / shapes.flip(-1).reshape(1, 1, 1, -1, 1, 2)
+        return grid_sample.forward(value, shapes, starts, loc + half_pixel, weights)
 
     msda_core.register(msda_core.Backend("shifted", shifted, grid_sample.backward, grid_sample.devices,
                                          grid_sample.dtypes))

@@ -22,11 +22,10 @@ import time
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
+import msda_core
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
-
-import msda_core
 
 from . import cli
 from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
@@ -196,28 +195,31 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backends", nargs="*", help="GPU: default every backend that runs on the device")
+    parser = cli.parser("msda_testkit.bench", __doc__)
+    cli.add_device(parser)
+    parser.add_argument("--backends", nargs="*",
+                        help="GPU: the backends to time (default: every backend that auto may choose on the device)")
     parser.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="default: all on the GPU, fp32 on the CPU")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
-                        help="location distributions: model-like (Deformable DETR's), random (uniform)")
-    parser.add_argument("--no-sweep", action="store_true", help="GPU: only the standard cases")
-    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"])
-    parser.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+                        help="location distributions: model_like (Deformable DETR's sampling), random (uniform)")
+    parser.add_argument("--no-sweep", action="store_true", help="GPU: only the standard cases, not the size sweep")
+    parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"],
+                        help="the accumulation paths to time")
+    parser.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
     parser.add_argument("--threads", type=int, default=2, help="CPU: torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=5, help="CPU: rounds in which the implementations take turns")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="CPU: the fewest timed runs per round (and >= 1 s of them)")
-    parser.add_argument("--json", default="bench.json", help="where the results go (default: %(default)s)")
-    parser.add_argument("--plot", default="bench.png", help="GPU: where the plot goes (default: %(default)s)")
+                        help="CPU: the fewest timed runs per round (and at least 1 s of them)")
+    parser.add_argument("--json", default="bench.json", help="where the results go, in the current folder by default")
+    parser.add_argument("--plot", default="bench.png",
+                        help="GPU: where the plot goes, in the current folder by default")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from a JSON this tool wrote")
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
             _plot(json.load(f)["rows"], args.plot)
         return 0
-    device = torch.device(args.device)
+    device = cli.device(parser.prog, args.device)
     if device.type == "cpu":
         return compare_cpu(args)
     cases = GPU_CASES + (() if args.no_sweep else SWEEP)

@@ -1,4 +1,4 @@
-"""Seeded inputs: the shapes people run (OP.md) and an edge-case catalog, one case per kernel assumption."""
+"""Seeded inputs: the shapes people run (docs/math.md) and an edge-case catalog, one case per kernel assumption."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class Case:
     levels: tuple = TINY_LEVELS
     points: int = 2
     loc_range: tuple = (0.0, 1.0)
-    layout: str = "random"  # random | model_like | pixel_centres | map_corners | past_edges | away_from_pixels | nonfinite
+    # random | model_like | pixel_centres | map_corners | past_edges | away_from_pixels | nonfinite
+    layout: str = "random"
     contiguous: bool = True
     pass_level_start: bool = True
     index_dtype: torch.dtype = torch.int64

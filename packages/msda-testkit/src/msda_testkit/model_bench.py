@@ -22,10 +22,9 @@ import json
 import statistics
 import time
 
+import msda_core
 import torch
 from tabulate import tabulate
-
-import msda_core
 
 from .bench import environment
 
