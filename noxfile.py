@@ -151,6 +151,6 @@ def integrations(session):
     """msda_core.patch on real transformers and ultralytics models, float64 on the CPU (integrations/); its GPU test
     skips without CUDA."""
     session.install(*INTEGRATIONS_TORCH)
-    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=70.1")
+    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=70.1", "onnxscript", "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
     session.run("pytest", "-q", "-rs", "integrations", *session.posargs)
