@@ -245,15 +245,9 @@ def main(argv=None) -> int:
     columns = [c for c in columns if any(c in r for r in rows)]
     print(json.dumps(env))
     print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
-    _write_json(args.json, env, rows)
+    cli.write_results(args.json, env, rows)
     _plot(rows, args.plot)
     return 0
-
-
-def _write_json(path, env, rows):
-    with open(path, "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
 
 
 def mmcv_pytorch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -335,7 +329,7 @@ def compare_cpu(args) -> int:
     print(json.dumps(env))
     print(f"medians over {args.rounds} rounds (min-max of the rounds), {args.threads} threads")
     print(_cpu_table(rows))
-    _write_json(args.json, env, rows)
+    cli.write_results(args.json, env, rows)
     return 0
 
 

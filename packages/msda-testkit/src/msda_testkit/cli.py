@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import torch
@@ -40,3 +41,10 @@ def device(prog: str, name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise SystemExit(f"{prog}: --device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def write_results(path: str, environment: dict, rows: list) -> None:
+    """The tools' JSON: where and on what they ran, and their rows."""
+    with open(path, "w") as f:
+        json.dump({"environment": environment, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")

@@ -9,7 +9,6 @@ system's C++ compiler; ``run_aoti_package`` runs it in a subprocess on tensors p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -116,6 +115,7 @@ class _Op(torch.nn.Module):
 def main(argv=None) -> int:
     from tabulate import tabulate
 
+    from . import cli
     from .cases import ARGUMENTS, DIFFERENTIABLE, case, grad_output_for, make_inputs
 
     parser = argparse.ArgumentParser(prog="python -m msda_testkit.deploy", description=__doc__.splitlines()[1])
@@ -157,8 +157,7 @@ def main(argv=None) -> int:
                    else "cpu"}
     print(environment)
     print(tabulate([r.values() for r in rows], headers=list(rows[0]), floatfmt=".4f"))
-    Path(args.json).write_text(json.dumps({"environment": environment, "rows": rows}, indent=1))
-    print(f"wrote {args.json}")
+    cli.write_results(args.json, environment, rows)
     return 0
 
 

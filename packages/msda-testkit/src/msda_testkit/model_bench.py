@@ -26,6 +26,7 @@ import msda_core
 import torch
 from tabulate import tabulate
 
+from . import cli
 from .bench import environment
 
 SIZES = ("800x1333", "512x683")
@@ -210,9 +211,7 @@ def main(argv=None) -> int:
                "attention_share", "error"]
     columns = [c for c in columns if any(c in r for r in rows)]
     print(tabulate([[r.get(c) for c in columns] for r in rows], headers=columns, floatfmt=".4g"))
-    with open(args.json, "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    cli.write_results(args.json, env, rows)
     return 0
 
 

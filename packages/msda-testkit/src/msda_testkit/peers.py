@@ -73,9 +73,7 @@ def main(argv=None) -> int:
     env.update({name: importlib.import_module(PEERS[name][0].split(".")[0]).__version__ for name in peers})
     print(json.dumps(env))
     print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".4g"))
-    with open(args.json, "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    cli.write_results(args.json, env, rows)
     return 0
 
 
