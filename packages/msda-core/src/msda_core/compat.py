@@ -19,12 +19,12 @@ import torch
 from . import op  # noqa: F401  (registers torch.ops.msda)
 from .validation import HALF_DTYPES
 
-_SHAPES: dict = {}  # (shapes, device) -> int64 tensor: one tensor per pyramid, so validation reads it once
+_SHAPES: dict = {}  # (shapes, device) -> int64 tensor: one tensor per pyramid, copied to the device once
 
 
 def level_shapes(shapes, device) -> torch.Tensor:
     """``shapes`` as the (L, 2) tensor the op takes. A list of (H, W) becomes a tensor on ``device``, the same
-    one on every call (validation reads a new tensor's values, which on CUDA waits for the device)."""
+    one on every call: a new one would be a host-to-device copy, which waits for the device, on every call."""
     if isinstance(shapes, torch.Tensor):
         return shapes
     key = (tuple((int(h), int(w)) for h, w in shapes), torch.device(device))
@@ -82,8 +82,8 @@ class MSDeformAttnFunction:
     def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
               im2col_step=None, *, backend: str = "auto") -> torch.Tensor:
         """im2col_step is accepted and ignored: the op has no batch chunking and no divisibility rule."""
-        return run_op(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                           attention_weights, backend=backend)
+        return run_op(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                      backend=backend)
 
 
 MultiScaleDeformableAttnFunction = MSDeformAttnFunction  # mmcv, detrex

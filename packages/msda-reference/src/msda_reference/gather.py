@@ -23,7 +23,7 @@ from . import grid_sample
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
 _FAR = 2.0 ** 24  # huge coordinates are clamped here: off the map, and exact in float32
 # Eager mode works through the query rows in chunks of about this many taps, so that temporaries of a few
-# MB stay in cache instead of being freshly mapped and faulted in (BENCHMARKS.md has the measurement); the
+# MB stay in cache instead of being freshly mapped and faulted in (BENCHMARKS.md, "CPU"); the
 # corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
 # A traced graph takes all rows at once: its compiler fuses the elementwise work and plans the memory.
 _CHUNK_TAPS = 1 << 19

@@ -1,9 +1,9 @@
 """The ``triton`` backend: kernels.py behind two ``torch.library.triton_op``s, ``msda::_triton_forward`` and
 ``msda::_triton_backward``. While torch.compile or torch.export trace a call, the backend calls those ops and every
 launch goes through ``torch.library.wrap_triton``, so Inductor and AOTInductor compile the kernels into their own
-code. An eager call on real tensors runs the same bodies directly, skipping the custom op's dispatch (a third of a
-decoder call's host time: BENCHMARKS.md, "Host time"), on CUDA tensors, or on CPU tensors through Triton's
-interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
+code. An eager call on real tensors runs the same bodies directly, skipping the custom op's dispatch, whose host
+time a decoder-sized call feels (BENCHMARKS.md, "Host time after the op-layer rebuild"), on CUDA tensors, or on
+CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
 
 The bodies also run on fake tensors, so they branch on metadata only: a launch rule that depends on a size the
 trace leaves symbolic takes the choice that is right for every size (launch_forward).
