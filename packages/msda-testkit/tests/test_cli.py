@@ -3,9 +3,10 @@ what it does and its default, and a CUDA device that is not there ends in one li
 
 import pytest
 import torch
-from msda_testkit import bench, cli, peers, report, verify
+from msda_testkit import bench, cli, deploy, distributed, model_bench, overhead, peers, report, verify
 
-TOOLS = {"report": report, "bench": bench, "peers": peers, "verify": verify}
+TOOLS = {"report": report, "bench": bench, "peers": peers, "verify": verify, "overhead": overhead, "deploy": deploy,
+         "model_bench": model_bench, "distributed": distributed}
 real_parser = cli.parser
 
 
@@ -26,7 +27,7 @@ def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
             assert "(default: " in formatter._get_help_string(action), action.option_strings
 
 
-@pytest.mark.parametrize("name", ["report", "bench", "verify"])
+@pytest.mark.parametrize("name", ["report", "bench", "verify", "overhead", "deploy"])
 def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:

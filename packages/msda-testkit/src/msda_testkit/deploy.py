@@ -8,7 +8,6 @@ system's C++ compiler; ``run_aoti_package`` runs it in a subprocess on tensors p
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -118,18 +117,14 @@ def main(argv=None) -> int:
     from . import cli
     from .cases import ARGUMENTS, DIFFERENTIABLE, case, grad_output_for, make_inputs
 
-    parser = argparse.ArgumentParser(prog="python -m msda_testkit.deploy", description=__doc__.splitlines()[1])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="default: cuda if available, else cpu")
-    parser.add_argument("--cases", nargs="*", default=["decoder_b4_q300", "encoder_b2"],
-                        help="msda_testkit cases (default: decoder_b4_q300 encoder_b2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default: float32")
-    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure (default: 50)")
-    parser.add_argument("--json", default="deploy.json", help="where the figures go (default: ./deploy.json)")
+    parser = cli.parser("msda_testkit.deploy", __doc__)
+    cli.add_device(parser)
+    parser.add_argument("--cases", nargs="*", default=["decoder_b4_q300", "encoder_b2"], help="msda_testkit cases")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the inputs' dtype")
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per figure")
+    parser.add_argument("--json", default="deploy.json", help="where the figures go, in the current folder by default")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, "deploy: --device cuda, but torch sees no CUDA device here\n")
+    device = cli.device(parser.prog, args.device)
     dtype, rows = getattr(torch, args.dtype), []
     folder = Path(tempfile.mkdtemp(prefix="msda-deploy-"))
     runner = build_aoti_runner(folder)

@@ -17,7 +17,6 @@ Exits 1 with the failed check on stderr. The test ``test_distributed`` runs it o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import cli
 from .compare import compare
 from .tolerances import tolerance
 
@@ -295,7 +295,7 @@ def run_checks(device, say) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser("msda_testkit.distributed", __doc__)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="gloo: every rank on the CPU; nccl: rank on cuda:LOCAL_RANK")
     args = parser.parse_args(argv)

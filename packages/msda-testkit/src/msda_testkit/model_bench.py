@@ -16,7 +16,6 @@ works (its times mean nothing; the attention share is of CPU time there).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import statistics
@@ -166,19 +165,21 @@ def measure(path: str, size: str, precision: str, mode: str, args, device) -> di
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
+    parser = cli.parser("msda_testkit.model_bench", __doc__)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny to check the script")
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE}, to check the script")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="images, HxW")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
-    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--batch", type=int, default=2, help="images per step")
+    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS),
+                        help="fp32, or bf16 autocast")
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES), help="eager or torch.compile")
     parser.add_argument("--paths", nargs="*", default=list(PATCHES), choices=list(PATCHES),
                         help="attention paths (deformops: skipped when it is not installed)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled for the attention's share")
-    parser.add_argument("--json", default="model_bench.json", help="where the results go (default: %(default)s)")
+    parser.add_argument("--json", default="model_bench.json",
+                        help="where the results go, in the current folder by default")
     args = parser.parse_args(argv)
     try:
         importlib.import_module("transformers")

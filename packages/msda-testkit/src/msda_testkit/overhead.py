@@ -14,7 +14,6 @@ host's time by up to the fill's duration.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import msda_core
@@ -22,6 +21,7 @@ import torch
 from msda_core import op
 from tabulate import tabulate
 
+from . import cli
 from .bench import median_ms
 from .cases import ARGUMENTS, case, grad_output_for, make_inputs
 
@@ -71,19 +71,14 @@ def _per_call_ms(fn, device, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m msda_testkit.overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where the op runs (default: cuda if available, else cpu)")
-    parser.add_argument("--backend", default="auto", help="the real backend (default: auto, what the op chooses)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                        help="value's dtype (default: float32)")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per layer and measure (default: 2000)")
-    parser.add_argument("--case", default="decoder_b4_q300", help="the inputs, a msda_testkit case (default: "
-                        "decoder_b4_q300)")
+    parser = cli.parser("msda_testkit.overhead", __doc__)
+    cli.add_device(parser)
+    parser.add_argument("--backend", default="auto", help="the real backend (auto: what the op chooses)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="value's dtype")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per layer and measure")
+    parser.add_argument("--case", default="decoder_b4_q300", help="the inputs, a msda_testkit case")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, "overhead: --device cuda, but torch sees no CUDA device here\n")
+    device = cli.device(parser.prog, args.device)
     dtype = getattr(torch, args.dtype)
     inputs = make_inputs(case(args.case), dtype, device=device)
     value, shapes, starts, loc, weights = (inputs[k] for k in ARGUMENTS)
