@@ -47,7 +47,7 @@ def test_auto_picks_triton_on_cuda():
 
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
-    """A launch is replayed for tensors of the same key (backend._replayed). The kernels compiled for 16-byte
+    """A launch is replayed for tensors of the same key (backend._replay). The kernels compiled for 16-byte
     aligned tensors use 16-byte loads, so tensors starting one element later must get kernels of their own."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, device="cuda")
     assert_triton_parity(inputs, "fp32")
@@ -62,7 +62,7 @@ def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_replayed_launches_read_the_new_tensors(deterministic):
     """A second call with the same shapes launches every kernel through the first call's plan
-    (backend._replayed), on its own tensors: its results match float64 for its own inputs."""
+    (backend._replay), on its own tensors: its results match float64 for its own inputs."""
     case = replace(kit.case("out_of_bounds"), queries=37)  # a shape no other test launches
     first, second = (kit.make_inputs(case, F32, device="cuda", seed=seed) for seed in (0, 1))
     backend._plans.clear()
