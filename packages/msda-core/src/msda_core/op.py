@@ -138,15 +138,25 @@ def _zeros_of(shape, *tensors):
     return tensors[0].new_zeros(shape) + anchor.to(tensors[0].dtype)
 
 
-def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
-                 backend="auto", grad_accum="auto", deterministic=None):
+def _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum,
+            deterministic: bool, grad_output=None) -> registry.Backend:
+    """Validate the call (and the backward's grad_output), then the backend that runs it: what both public ops do
+    first."""
     check_grad_accum(grad_accum)
     check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if grad_output is not None:
+        check_grad_output(grad_output, value, sampling_locations)
+    return registry.resolve(registry.request(backend),
+                            registry.Inputs.of(value, sampling_locations, grad_accum, deterministic))
+
+
+def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
+                 backend="auto", grad_accum="auto", deterministic=None):
     differentiable = (value, sampling_locations, attention_weights)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     deterministic = needs_grad and _deterministic(deterministic)  # only the backward can be nondeterministic
-    inputs = registry.Inputs.of(value, sampling_locations, grad_accum, deterministic)
-    chosen = registry.resolve(registry.request(backend), inputs)
+    chosen = _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+                     grad_accum, deterministic)
     if _no_terms(value, sampling_locations):
         return _zeros_of(output_shape(value, sampling_locations), *differentiable)
     args = (value, spatial_shapes, _level_start_index(spatial_shapes, level_start_index), sampling_locations,
@@ -159,12 +169,9 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
 
 def _deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights, *, backend="auto", grad_accum="auto", deterministic=None):
-    check_grad_accum(grad_accum)
-    check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    check_grad_output(grad_output, value, sampling_locations)
     deterministic = _deterministic(deterministic)
-    chosen = registry.resolve(registry.request(backend),
-                              registry.Inputs.of(value, sampling_locations, grad_accum, deterministic))
+    chosen = _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+                     grad_accum, deterministic, grad_output)
     if _no_terms(value, sampling_locations):
         return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
     return _Run(chosen, grad_accum, deterministic).backward(

@@ -95,9 +95,9 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
         check_level_values(S, spatial_shapes, level_start_index)
 
 
-def check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> list:
+def check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) -> None:
     """The level table must describe value's S rows exactly. Reads the tensors (a device sync on CUDA: callers
-    that read them anyway, like the grid_sample backend, check for free). Returns the level starts."""
+    that read them anyway, like the grid_sample backend, check for free)."""
     shapes = spatial_shapes.tolist()
     for l, (h, w) in enumerate(shapes):
         if h <= 0 or w <= 0:
@@ -113,7 +113,6 @@ def check_level_values(S: int, spatial_shapes: torch.Tensor, level_start_index) 
             f"level_start_index: expected the exclusive cumulative sum of H_l * W_l from spatial_shapes, {starts}, "
             f"got {level_start_index.tolist()}"
         )
-    return starts
 
 
 def level_starts(shapes: list) -> list:
