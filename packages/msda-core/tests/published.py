@@ -1,25 +1,17 @@
 """Plain-PyTorch transcriptions of the published formulas (Deformable DETR, arXiv:2010.04159, eq. 2 and its
-module), the references of the compat, module and patch tests. Written from the math, in float64."""
+module), the references of the compat, module and patch tests, in float64."""
 
 import torch
 import torch.nn.functional as F
+from msda_testkit.bench import mmcv_pytorch
 
 
 def deformable_attention(value, shapes, locations, weights):
     """value (B, S, M, D), shapes [(H, W)], locations (B, Q, M, L, P, 2) normalized (x, y), weights
     (B, Q, M, L, P) -> (B, Q, M*D): per level, bilinear samples with zeros outside (grid_sample at 2*loc - 1,
-    align_corners=False), times the weights, summed over levels and points."""
-    B, S, M, D = value.shape
-    Q, P = locations.shape[1], locations.shape[4]
-    out, start = 0, 0
-    for level, (H, W) in enumerate(shapes):
-        v = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(B * M, D, H, W)
-        grid = (2 * locations[:, :, :, level] - 1).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2)
-        samples = F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)  # (B*M, D, Q, P)
-        w = weights[:, :, :, level].permute(0, 2, 1, 3).reshape(B * M, 1, Q, P)
-        out = out + (samples * w).sum(-1)
-        start += H * W
-    return out.view(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D)
+    align_corners=False), times the weights, summed over levels and points: the testkit's transcription of
+    mmcv's function, the bench's CPU baseline."""
+    return mmcv_pytorch(value, torch.tensor(shapes), None, locations, weights)
 
 
 def checkpoint(d_model, n_levels, n_heads, n_points, seed=0):
