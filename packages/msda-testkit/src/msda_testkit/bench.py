@@ -81,7 +81,7 @@ def median_ms(fn, device, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _graph_ms(fn) -> float | None:
+def graph_ms(fn) -> float | None:
     """Time of replaying fn from a CUDA graph, or None if fn cannot be captured (e.g. it syncs)."""
     import triton.testing
     try:
@@ -134,8 +134,8 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
     row["fwd_ms"] = median_ms(forward, device, repeats)
     row["bwd_ms"] = median_ms(forward_backward, device, repeats) - row["fwd_ms"]
     if device.type == "cuda":
-        fwd_graph = _graph_ms(forward)
-        both_graph = _graph_ms(forward_backward)
+        fwd_graph = graph_ms(forward)
+        both_graph = graph_ms(forward_backward)
         row["fwd_graph_ms"] = fwd_graph
         row["bwd_graph_ms"] = both_graph - fwd_graph if both_graph and fwd_graph else None
         torch.cuda.synchronize(device)

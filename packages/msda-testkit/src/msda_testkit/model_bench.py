@@ -9,9 +9,9 @@ For each image size, precision (fp32, bf16 autocast), mode (eager, ``torch.compi
 model's own PyTorch attention, msda, deformops' patch where installed): the median step time over ``--steps`` steps
 after warm-up, the peak memory of a step, and, from torch.profiler, the attention's GPU time per step and its
 share of the step's GPU time. Attention kernels are those launched under the path's ops (``ATTENTION_OPS``) or
-named for them (``ATTENTION_KERNELS``: compiled code inlines deformops' Triton ops and fuses grid_sample).
-Prints a table, writes JSON. ``--device cpu --tiny`` runs a tiny model on the CPU: a check that the script
-works (its times mean nothing; the attention share is of CPU time there).
+named for them (``ATTENTION_KERNELS``: compiled code inlines msda's and deformops' Triton kernels and fuses
+grid_sample). Prints a table, writes JSON. ``--device cpu --tiny`` runs a tiny model on the CPU: a check that the
+script works (its times mean nothing; the attention share is of CPU time there).
 """
 
 from __future__ import annotations
@@ -32,40 +32,25 @@ SIZES = ("800x1333", "512x683")
 TINY_SIZE = "64x96"
 PRECISIONS = ("fp32", "bf16")
 MODES = ("eager", "compile")
-ATTENTION_OPS = {"pytorch": ("aten::grid_sampler_2d",), "msda": ("msda::",),
+# An op (or autograd node) counts when its profiler name contains one of these: msda's backward runs under its
+# autograd.Function's node, "autograd::engine::evaluate_function: DeformAttnBackward".
+ATTENTION_OPS = {"pytorch": ("aten::grid_sampler_2d",), "msda": ("msda::", "DeformAttnBackward"),
                  "deformops": ("deformops_triton::", "deformops_cuda::")}
-ATTENTION_KERNELS = {"pytorch": ("grid_sampler_2d",), "msda": (), "deformops": ("msda_",)}
+ATTENTION_KERNELS = {"pytorch": ("grid_sampler_2d",), "msda": ("forward_kernel", "backward_kernel"),
+                     "deformops": ("msda_",)}
 
 
-class MsdaAttention(torch.nn.Module):
-    """Stands in for transformers' stateless ``MultiScaleDeformableAttention`` core, with its forward arguments."""
-
-    def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
-                attention_weights, im2col_step):
-        # under autocast the weights (a softmax) may come in another dtype than the locations; the op takes one
-        return torch.ops.msda.deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
-                                          attention_weights.to(sampling_locations.dtype))
+def patch_msda(model) -> msda_core.PatchReport:
+    """The one-line switch a user makes: msda_core.patch, strict, so a transformers that names its attention
+    otherwise fails here rather than timing the model's own path."""
+    return msda_core.patch(model, strict=True)
 
 
-def patch_msda(model):
-    """msda_core.patch where this msda has it, else swap every attention wrapper's ``.attn`` core for MsdaAttention."""
-    if hasattr(msda_core, "patch"):
-        msda_core.patch(model)
-        return model
-    wrappers = [m for m in model.modules()
-                if type(getattr(m, "attn", None)).__name__ == "MultiScaleDeformableAttention"]
-    if not wrappers:
-        raise RuntimeError("no MultiScaleDeformableAttention found: this transformers names it differently")
-    for wrapper in wrappers:
-        wrapper.attn = MsdaAttention()
-    return model
+def patch_deformops(model) -> None:
+    importlib.import_module("deformops.integrations.transformers").patch(model)
 
 
-def patch_deformops(model):
-    return importlib.import_module("deformops.integrations.transformers").patch(model)
-
-
-PATCHES = {"pytorch": lambda model: model, "msda": patch_msda, "deformops": patch_deformops}
+PATCHES = {"pytorch": lambda model: None, "msda": patch_msda, "deformops": patch_deformops}  # each patches in place
 
 
 def build_model(tiny: bool):
@@ -91,14 +76,16 @@ def _loss(outputs):
 
 def attention_time(profile, path: str, device_type: str) -> tuple:
     """(attention time, total time) in microseconds from a torch.profiler profile: on the GPU, over the kernels,
-    a kernel counting as attention when a CPU op above its launch matches ATTENTION_OPS[path] or its name matches
-    ATTENTION_KERNELS[path]; on the CPU, the matching top-level ops' CPU time over all ops' self CPU time."""
+    a kernel counting as attention when a CPU op above its launch is named by ATTENTION_OPS[path] or its own name by
+    ATTENTION_KERNELS[path]; on the CPU, the outermost named ops' CPU time over all ops' self CPU time."""
     events = profile.events()
     ops, kernels = ATTENTION_OPS[path], ATTENTION_KERNELS[path]
+    def named(event):
+        return any(op in event.name for op in ops)
+
     if device_type == "cpu":
-        def under_match(e):
-            return any(a.name.startswith(ops) for a in _ancestors(e.cpu_parent))
-        attention = sum(e.cpu_time_total for e in events if e.name.startswith(ops) and not under_match(e))
+        attention = sum(e.cpu_time_total for e in events
+                        if named(e) and not any(named(a) for a in _ancestors(e.cpu_parent)))
         return attention, sum(e.self_cpu_time_total for e in events)
     by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
     attention = total = 0.0
@@ -108,7 +95,7 @@ def attention_time(profile, path: str, device_type: str) -> tuple:
         duration = e.time_range.elapsed_us()
         total += duration
         launch = by_id.get(e.linked_correlation_id)
-        if any(k in e.name for k in kernels) or any(a.name.startswith(ops) for a in _ancestors(launch)):
+        if any(k in e.name for k in kernels) or any(named(a) for a in _ancestors(launch)):
             attention += duration
     return attention, total
 
@@ -121,7 +108,9 @@ def _ancestors(event):
 
 def measure(path: str, size: str, precision: str, mode: str, args, device) -> dict:
     torch.manual_seed(0)
-    model = PATCHES[path](build_model(args.tiny)).to(device).train()
+    model = build_model(args.tiny)
+    PATCHES[path](model)
+    model.to(device).train()
     step_model = torch.compile(model) if mode == "compile" else model
     height, width = map(int, size.split("x"))
     pixels = torch.randn(args.batch, 3, height, width, device=device)

@@ -1,6 +1,7 @@
 """``python -m msda_testkit.peers``: msda's op against other implementations installed beside it (GPU).
 
-The bench's inputs (GPU_CASES) and timing: called from Python, the median of triton's do_bench, backward =
+The bench's inputs (GPU_CASES, in each location distribution) and timing: called from Python, the median of
+triton's do_bench, and replayed from a CUDA graph (None where a call cannot be captured); backward =
 forward+backward minus forward through torch.autograd.grad. The implementations take turns for ``--rounds``
 rounds and each figure is the median over them, so that the host's speed, which drifts within a lease,
 weighs on all alike. Peers: deformops (its default selection, ``deformops.registry.msda``), when installed.
@@ -16,7 +17,17 @@ import torch
 from tabulate import tabulate
 
 from . import cli
-from .bench import DTYPES, GPU_CASES, environment, median_ms, training_leaves, with_backward
+from .bench import (
+    DTYPES,
+    GPU_CASES,
+    LAYOUTS,
+    environment,
+    graph_ms,
+    median_ms,
+    training_leaves,
+    with_backward,
+    with_layout,
+)
 from .cases import ARGUMENTS, grad_output_for, make_inputs
 
 PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
@@ -35,6 +46,8 @@ def _installed_peers() -> dict:
 def main(argv=None) -> int:
     parser = cli.parser("msda_testkit.peers", __doc__)
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        help="location distributions, as the bench's")
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns each implementation takes; each figure is their median")
     parser.add_argument("--json", default="peers.json", help="where the results and the environment are written "
@@ -49,7 +62,7 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     rows = []
-    for case in GPU_CASES:
+    for case in (with_layout(c, layout) for c in GPU_CASES for layout in args.layouts):
         for dtype_name in args.dtypes:
             inputs = make_inputs(case, DTYPES[dtype_name], device=device)
             leaves = training_leaves(inputs)
@@ -58,15 +71,19 @@ def main(argv=None) -> int:
             calls |= {name: (lambda fn=fn: fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape))
                       for name, fn in peers.items()}
             ours = calls["msda (triton)"]().float()
-            times = {name: ([], []) for name in calls}
+            times = {name: {"fwd": [], "both": [], "fwd_graph": [], "both_graph": []} for name in calls}
             for _ in range(args.rounds):
                 for name, fn in calls.items():
-                    times[name][0].append(median_ms(fn, device, 1))
-                    times[name][1].append(median_ms(with_backward(fn, leaves, grad_output), device, 1))
+                    both = with_backward(fn, leaves, grad_output)
+                    for key, ms in (("fwd", median_ms(fn, device, 1)), ("both", median_ms(both, device, 1)),
+                                    ("fwd_graph", graph_ms(fn)), ("both_graph", graph_ms(both))):
+                        times[name][key].append(ms)
             for name, fn in calls.items():
-                fwd = statistics.median(times[name][0])
-                rows.append({"case": case.name, "dtype": dtype_name, "implementation": name, "fwd_ms": fwd,
-                             "bwd_ms": statistics.median(times[name][1]) - fwd,
+                t = {key: statistics.median(v) if None not in v else None for key, v in times[name].items()}
+                rows.append({"case": case.name, "locations": case.layout, "dtype": dtype_name, "implementation": name,
+                             "fwd_ms": t["fwd"], "bwd_ms": t["both"] - t["fwd"], "fwd_graph_ms": t["fwd_graph"],
+                             "bwd_graph_ms": t["both_graph"] - t["fwd_graph"] if t["both_graph"] and t["fwd_graph"]
+                             else None,
                              "max_abs_diff_from_msda": (fn().float() - ours).abs().max().item()})
                 print(rows[-1], flush=True)
     env = environment(device)
