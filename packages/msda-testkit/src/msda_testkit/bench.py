@@ -179,11 +179,12 @@ def _plot(rows, path):
             series = {}
             for r in rows:
                 if r.get(key + suffix) is not None:
-                    series.setdefault((r["backend"], r["dtype"], r.get("locations", "random")), []).append(
-                        (r["B"] * r["Q"], r[key + suffix]))
-            for i, ((backend, dtype, locations), points) in enumerate(sorted(series.items())):
+                    line = (r["backend"], r["dtype"], r.get("locations", "random"), r.get("grad_accum", "auto"))
+                    series.setdefault(line, []).append((r["B"] * r["Q"], r[key + suffix]))
+            for i, ((backend, dtype, locations, accum), points) in enumerate(sorted(series.items())):
                 points.sort()
-                label = f"{backend} {dtype} {locations}" + (" (graph)" if suffix == "_graph_ms" else "")
+                label = " ".join([backend, dtype, locations] + ([accum] if accum != "auto" else [])) + (
+                    " (graph)" if suffix == "_graph_ms" else "")
                 ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="queries x batch", ylabel="median ms",
                title="forward" if key == "fwd" else "backward")

@@ -75,35 +75,37 @@ def _loss(outputs):
 
 
 def attention_time(profile, path: str, device_type: str) -> tuple:
-    """(attention time, total time) in microseconds from a torch.profiler profile: on the GPU, over the kernels,
-    a kernel counting as attention when a CPU op above its launch is named by ATTENTION_OPS[path] or its own name by
-    ATTENTION_KERNELS[path]; on the CPU, the outermost named ops' CPU time over all ops' self CPU time."""
+    """(attention time, total time) in microseconds from a torch.profiler profile. On the GPU, over the kernels:
+    those launched under an op named by ATTENTION_OPS[path] (the op's device time) and, once, those whose own name
+    is in ATTENTION_KERNELS[path]; on the CPU, the outermost named ops' CPU time over all ops' self CPU time."""
     events = profile.events()
     ops, kernels = ATTENTION_OPS[path], ATTENTION_KERNELS[path]
+
     def named(event):
         return any(op in event.name for op in ops)
 
+    outermost = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and named(e)
+                 and not any(named(a) for a in _ancestors(e.cpu_parent))]
     if device_type == "cpu":
-        attention = sum(e.cpu_time_total for e in events
-                        if named(e) and not any(named(a) for a in _ancestors(e.cpu_parent)))
-        return attention, sum(e.self_cpu_time_total for e in events)
-    by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-    attention = total = 0.0
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        duration = e.time_range.elapsed_us()
-        total += duration
-        launch = by_id.get(e.linked_correlation_id)
-        if any(k in e.name for k in kernels) or any(named(a) for a in _ancestors(launch)):
-            attention += duration
-    return attention, total
+        return sum(e.cpu_time_total for e in outermost), sum(e.self_cpu_time_total for e in events)
+    device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kernel_name = sum(e.time_range.elapsed_us() for e in device_events if any(k in e.name for k in kernels))
+    already_counted = sum(k.duration for e in outermost for sub in _subtree(e) for k in sub.kernels
+                          if any(name in k.name for name in kernels))
+    attention = sum(e.device_time_total for e in outermost) + by_kernel_name - already_counted
+    return attention, sum(e.time_range.elapsed_us() for e in device_events)
 
 
 def _ancestors(event):
     while event is not None:
         yield event
         event = event.cpu_parent
+
+
+def _subtree(event):
+    yield event
+    for child in event.cpu_children:
+        yield from _subtree(child)
 
 
 def measure(path: str, size: str, precision: str, mode: str, args, device) -> dict:
