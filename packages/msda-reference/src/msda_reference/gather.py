@@ -60,25 +60,31 @@ class _Taps:
         C, _, L, P, _ = locations.shape
         R, LP = C * M, L * P
         self.size = _per_sample(spatial_shapes.flip(-1).t().to(dtype), P)  # (2 axes, LP): W, then H
-        xy = locations.reshape(R, LP, 2).transpose(1, 2).contiguous() * self.size - 0.5  # align_corners=False
+        # In-place steps wherever a temporary is not needed again: each fresh temporary of a few hundred KB is
+        # memory the allocator maps and the CPU faults in anew (BENCHMARKS.md, "CPU").
+        xy = locations.new_empty((R, 2, LP), dtype=dtype).copy_(locations.reshape(R, LP, 2).transpose(1, 2))
+        xy.mul_(self.size).sub_(0.5)  # align_corners=False
         self.nan = (xy - xy).sum(1)
-        safe = xy.nan_to_num(_OFF_MAP, _OFF_MAP, _OFF_MAP).clamp_(_OFF_MAP, _FAR)
-        low = safe.floor()
-        frac = safe - low
-        corner = torch.stack((low, low + 1), 1)  # (R, 2 corners, 2 axes, LP)
+        frac = xy.nan_to_num_(_OFF_MAP, _OFF_MAP, _OFF_MAP).clamp_(_OFF_MAP, _FAR)
+        low = frac.floor()
+        frac.sub_(low)
+        corner = torch.stack((low, low), 1)  # (R, 2 corners, 2 axes, LP): low, then low + 1
+        corner[:, 1].add_(1)
         index = torch.minimum(corner, self.size - 1).clamp_(min=0)
-        self.off_map = (corner - index).abs_()
+        self.off_map = corner.sub_(index).abs_()
         # the weight (1 - frac, frac) where the corner is on the map; off it, off_map >= 1 >= the weight
-        self.axis = (torch.stack((1 - frac, frac), 1) - self.off_map).clamp_(min=0)
+        self.axis = torch.stack((frac, frac), 1)
+        self.axis[:, 0].neg_().add_(1)
+        self.axis.sub_(self.off_map).clamp_(min=0)
         index_dtype = torch.int32 if value_shape[0] * S * M < 2 ** 31 else torch.int64
         index = index.to(index_dtype)
         col, row = index[:, :, 0], index[:, :, 1]  # (R, 2 corners, LP)
-        row_start = row * _per_sample(spatial_shapes[:, 1].to(index_dtype), P) + _per_sample(
-            level_start_index.to(index_dtype), P)
+        row_start = torch.mul(row, _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
+            _per_sample(level_start_index.to(index_dtype), P))
         pixel = (row_start[:, :, None] + col[:, None]).view(R, 4, LP)
         pixel = pixel.clamp_(0, S - 1).view(C, M, 4 * LP)  # a wrong level table still reads this (b, m)'s rows
         head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
-        self.rows = torch.add(head, pixel, alpha=M).view(R, 4, LP)
+        self.rows = pixel.mul_(M).add_(head).view(R, 4, LP)
 
     def weights(self, attention_weights):
         """(C*M, 4, L*P): each tap's attention weight times its bilinear weight."""
