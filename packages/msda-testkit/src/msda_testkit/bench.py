@@ -112,6 +112,11 @@ def training_leaves(inputs: dict) -> dict:
     return {k: (v.requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
 
 
+def backward_ms(forward_backward_ms, forward_ms):
+    """The backward's time: forward+backward less forward, None where either could not be measured."""
+    return forward_backward_ms - forward_ms if forward_backward_ms and forward_ms else None
+
+
 def with_backward(forward, leaves: dict, grad_output):
     """What the bench times as forward+backward: ``forward()``, then torch.autograd.grad into the leaves."""
     return lambda: torch.autograd.grad(forward(), [leaves[k] for k in DIFFERENTIABLE], grad_output)
@@ -137,7 +142,7 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
         fwd_graph = graph_ms(forward)
         both_graph = graph_ms(forward_backward)
         row["fwd_graph_ms"] = fwd_graph
-        row["bwd_graph_ms"] = both_graph - fwd_graph if both_graph and fwd_graph else None
+        row["bwd_graph_ms"] = backward_ms(both_graph, fwd_graph)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)

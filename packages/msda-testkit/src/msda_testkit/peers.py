@@ -21,6 +21,7 @@ from .bench import (
     DTYPES,
     GPU_CASES,
     LAYOUTS,
+    backward_ms,
     environment,
     graph_ms,
     median_ms,
@@ -71,10 +72,11 @@ def main(argv=None) -> int:
             calls |= {name: (lambda fn=fn: fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape))
                       for name, fn in peers.items()}
             ours = calls["msda (triton)"]().float()
+            both_calls = {name: with_backward(fn, leaves, grad_output) for name, fn in calls.items()}
             times = {name: {"fwd": [], "both": [], "fwd_graph": [], "both_graph": []} for name in calls}
             for _ in range(args.rounds):
                 for name, fn in calls.items():
-                    both = with_backward(fn, leaves, grad_output)
+                    both = both_calls[name]
                     for key, ms in (("fwd", median_ms(fn, device, 1)), ("both", median_ms(both, device, 1)),
                                     ("fwd_graph", graph_ms(fn)), ("both_graph", graph_ms(both))):
                         times[name][key].append(ms)
@@ -82,8 +84,7 @@ def main(argv=None) -> int:
                 t = {key: statistics.median(v) if None not in v else None for key, v in times[name].items()}
                 rows.append({"case": case.name, "locations": case.layout, "dtype": dtype_name, "implementation": name,
                              "fwd_ms": t["fwd"], "bwd_ms": t["both"] - t["fwd"], "fwd_graph_ms": t["fwd_graph"],
-                             "bwd_graph_ms": t["both_graph"] - t["fwd_graph"] if t["both_graph"] and t["fwd_graph"]
-                             else None,
+                             "bwd_graph_ms": backward_ms(t["both_graph"], t["fwd_graph"]),
                              "max_abs_diff_from_msda": (fn().float() - ours).abs().max().item()})
                 print(rows[-1], flush=True)
     env = environment(device)
