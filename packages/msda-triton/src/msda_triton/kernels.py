@@ -74,6 +74,7 @@ def _corners(loc_x, loc_y, H, W, start, S, ok):
     [0, S): whatever the level table holds (it is not validated on the GPU), no read or write leaves value's
     rows. The caller loads the locations and the level table: a helper given those pointers would make
     Inductor's analysis of the kernel count them as written (its results feed store addresses)."""
+    tl.assume(S >= 0)  # so each (0 <= p) & (p < S) below folds into one unsigned compare
     Wf = W.to(tl.float32)
     Hf = H.to(tl.float32)
     x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
