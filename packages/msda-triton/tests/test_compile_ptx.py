@@ -13,3 +13,10 @@ def test_help_prints_usage_instead_of_compiling(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         compile_ptx.main(["--arch", "75"])
     assert exit_.value.code == 2
+
+
+def test_loop_sizes_count_from_a_label_to_the_branch_back_to_it():
+    sass = "\n".join(["--:-:-:-:1\tMOV R1, R2;", "LBB0:", "--:-:-:-:1\tIADD3 R1, R1, 1, RZ;",
+                      "--:-:-:-:5\t@P0 BRA LBB1;", "--:-:-:-:1\tFADD R3, R3, R4;", "--:-:-:-:5\t@P1 BRA LBB0;",
+                      "LBB1:", "--:-:-:-:1\tEXIT;", "LBB2:", "--:-:-:Y:0\tBRA LBB2;"])
+    assert compile_ptx.loop_sizes(sass) == [4]  # the forward branch and the idle loop after EXIT are no loops

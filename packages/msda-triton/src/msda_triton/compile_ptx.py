@@ -5,7 +5,8 @@ binned backward's kernels: the gradients without the scatter, the corners' count
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
-lower them differently. Arguments carry the specialization the runtime would give the encoder call
+lower them differently. ``--sass`` adds the size of each loop in the machine code (BENCHMARKS.md counts the
+forward's inner loops with it). Arguments carry the specialization the runtime would give the encoder call
 (B2, Q = S = 22223, M 8, D 32, L 4, P 4): 16-byte-aligned pointers (as torch allocates) and 16-divisible
 integers, so the PTX is the one that runs.
 """
@@ -83,7 +84,7 @@ def _variants():
                 "out_ptr": dtype}, *kernels.FIXED_POINT_FINISH_LAUNCH)
 
 
-def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int) -> str:
+def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int, asm: str = "ptx") -> str:
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -97,7 +98,23 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict, num_warps: in
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, **kernels.COMPILE_OPTIONS}  # as backend._launch passes them
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm[asm]
+
+
+def loop_sizes(sass: str) -> list:
+    """How many instructions each loop of a kernel's SASS (Triton's disassembly) holds: from a label to a later
+    branch back to it. The inner loops of the issue-bound forward are where an instruction costs time."""
+    labels, sizes, count = {}, [], 0
+    for line in sass.splitlines():
+        label = re.fullmatch(r"\s*(\w+):", line)
+        if label:
+            labels[label.group(1)] = count
+        elif "\t" in line:  # an instruction, after its control code
+            count += 1
+            target = re.search(r"\bBRA\s+(\w+)", line)
+            if target and count - labels.get(target.group(1), count) > 1:  # not the idle loop after EXIT
+                sizes.append(count - labels[target.group(1)])
+    return sizes
 
 
 def atomic_instructions(ptx: str) -> str:
@@ -112,15 +129,22 @@ def main(argv=None) -> int:
                     "instructions of each; fails on any compile error.")
     parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS),
                         help="compute capabilities to compile for, as 80 for sm_80")
-    archs = parser.parse_args(argv).arch
-    print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in archs))
+    parser.add_argument("--sass", action="store_true",
+                        help="also print how many SASS instructions each loop of each variant holds (disassembled "
+                             "by the tools Triton ships)")
+    args = parser.parse_args(argv)
+    print(f"Triton {triton.__version__}; kernels compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
     rows = []
     for name, kernel, pointer_types, constexprs, num_warps in _variants():
-        for arch in archs:
+        for arch in args.arch:
             ptx = compile_variant(kernel, pointer_types, constexprs, num_warps, arch)
-            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)))
+            loops = loop_sizes(compile_variant(kernel, pointer_types, constexprs, num_warps, arch, "sass")) \
+                if args.sass else ()
+            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)
+                         + (f"; loops of {', '.join(map(str, loops))} instructions" if args.sass else "")))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions")
+    print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions"
+          + ("; SASS loop sizes" if args.sass else ""))
     for r in rows:
         print(f"{r[0]:{widths[0]}}  {r[1]:{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
     print(f"{len(rows)} variants compiled")
