@@ -233,7 +233,7 @@ def launch_binned_grad_value(grad_output, value, spatial_shapes, level_start_ind
     """grad_value (value's shape and any float dtype; every element is written) from the corners' lists of
     kernels.bin_corners_kernel, summed by kernels.csr_grad_value_kernel: in fp32, or with ``maxima`` = _maxima's
     (max|a|, max|g|) exactly in fixed point, reproducible bit for bit. Contiguous tensors."""
-    n_rows, Q, S, M, D, L, P = _sizes(value, sampling_locations)
+    _, Q, S, M, D, L, P = _sizes(value, sampling_locations)
     n_value_rows = value.numel() // D
     counts = torch.zeros(n_value_rows, dtype=torch.int32, device=value.device)
     entry_rows = torch.empty(2 * sampling_locations.numel(), dtype=torch.int32, device=value.device)
@@ -244,8 +244,8 @@ def launch_binned_grad_value(grad_output, value, spatial_shapes, level_start_ind
                     *((None, None, None) if ends is None else (ends, entry_rows, entry_weights)))
         if not (_eager(value) and _replay(kernels.bin_corners_kernel, pointers)):
             blocks, num_warps = kernels.BIN_CORNERS_LAUNCH
-            _launch(kernels.bin_corners_kernel, (triton.cdiv(n_rows, blocks["BLOCK_R"]),), pointers,
-                    (n_rows, Q, S, M, L, P), {**blocks, "FILL": ends is not None}, num_warps)
+            _launch(kernels.bin_corners_kernel, (triton.cdiv(attention_weights.numel(), blocks["BLOCK"]),), pointers,
+                    (attention_weights.numel(), Q, S, M, L, P), {**blocks, "FILL": ends is not None}, num_warps)
 
     bin_corners()
     ends = torch.cumsum(counts, 0, dtype=torch.int32)

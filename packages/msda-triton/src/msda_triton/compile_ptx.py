@@ -26,7 +26,7 @@ from . import kernels
 
 ARCHS = (80, 90)
 INTS = {"n_rows": 2 * 22223 * 8, "Q": 22223, "S": 22223, "M": 8, "D": 32, "L": 4, "P": 4,
-        "numel": 2 * 22223 * 8 * 32, "n_value_rows": 2 * 22223 * 8}
+        "numel": 2 * 22223 * 8 * 32, "n_value_rows": 2 * 22223 * 8, "n_samples": 2 * 22223 * 8 * 16}
 INDEX_POINTERS = ("shapes_ptr", "starts_ptr", "mass_ptr", "mass_max_ptr")
 DTYPES = ("fp32", "fp16", "bf16")
 
@@ -140,8 +140,9 @@ def main(argv=None) -> int:
             ptx = compile_variant(kernel, pointer_types, constexprs, num_warps, arch)
             loops = loop_sizes(compile_variant(kernel, pointer_types, constexprs, num_warps, arch, "sass")) \
                 if args.sass else ()
-            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx)
-                         + (f"; loops of {', '.join(map(str, loops))} instructions" if args.sass else "")))
+            sass = (f"; loops of {', '.join(map(str, loops))} instructions" if loops else "; no loops") \
+                if args.sass else ""
+            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx) + sass))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions"
           + ("; SASS loop sizes" if args.sass else ""))

@@ -318,7 +318,7 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
 # row j, the (b, s, m) row of value, is the sum over the corners that read it of (a * w) * g[r], r the corner's
 # output row. bin_corners_kernel lists those corners by row (CSR: ends = the inclusive cumsum of the counts),
 # csr_grad_value_kernel sums each row's list and writes the row once.
-BIN_CORNERS_LAUNCH = ({"BLOCK_R": 128}, 4)
+BIN_CORNERS_LAUNCH = ({"BLOCK": 128}, 4)  # one sample per thread
 
 
 @triton.jit
@@ -335,29 +335,29 @@ def _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row, output_rows
 
 @triton.jit
 def bin_corners_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, counts_ptr, ends_ptr, entry_row_ptr,
-                       entry_weight_ptr, n_rows, Q, S, M, L, P, BLOCK_R: tl.constexpr, FILL: tl.constexpr):
-    """Every in-map corner of every sample (the corners backward_kernel scatters to, with its masks) as an entry
-    of its value row's list. Without FILL: counts[row] += 1 (integer atomics, exact in any order). With FILL,
-    after ends = cumsum(counts): each entry takes slot ends[row] - (its row's count left), so a row's entries
-    fill [ends[row] - count, ends[row]) in the order the atomics arrive."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
-    head_start = _head_start(rows, Q, S, M)
-    for level in range(L):
-        H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
-        W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-        start = tl.load(starts_ptr + level).to(rows.dtype)
-        for point in range(P):
-            sample = rows * (L * P) + level * P + point
-            loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
-            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
-            a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, row_ok)
-            w00, w01, w10, w11 = _bilinear(fx, fy)
-            row00 = head_start + p00 * M
-            _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00, rows, a * w00, m00, FILL)
-            _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + M, rows, a * w01, m01, FILL)
-            _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + W * M, rows, a * w10, m10, FILL)
-            _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + (W + 1) * M, rows, a * w11, m11, FILL)
+                       entry_weight_ptr, n_samples, Q, S, M, L, P, BLOCK: tl.constexpr, FILL: tl.constexpr):
+    """Every in-map corner of samples [i*BLOCK, +BLOCK) (the corners backward_kernel scatters to, with its masks)
+    as an entry of its value row's list. Without FILL: counts[row] += 1 (integer atomics, exact in any order).
+    With FILL, after ends = cumsum(counts): each entry takes slot ends[row] - (its row's count left), so a row's
+    entries fill [ends[row] - count, ends[row]) in the order the atomics arrive. One sample per thread, not a
+    row's samples in a loop: at decoder size that is every sample at once."""
+    sample = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = sample < n_samples
+    rows = sample // (L * P)
+    level = (sample // P) % L
+    H = tl.load(shapes_ptr + 2 * level, mask=ok, other=0).to(tl.int32)
+    W = tl.load(shapes_ptr + 2 * level + 1, mask=ok, other=0).to(tl.int32)
+    start = tl.load(starts_ptr + level, mask=ok, other=0).to(tl.int64)
+    loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
+    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
+    p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, ok)
+    w00, w01, w10, w11 = _bilinear(fx, fy)
+    row00 = _head_start(rows, Q, S, M) + p00 * M
+    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00, rows, a * w00, m00, FILL)
+    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + M, rows, a * w01, m01, FILL)
+    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + W * M, rows, a * w10, m10, FILL)
+    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + (W + 1) * M, rows, a * w11, m11, FILL)
 
 
 def csr_launch_config(D: int) -> tuple:
