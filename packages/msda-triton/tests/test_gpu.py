@@ -7,7 +7,7 @@ import msda_testkit as kit
 import pytest
 import torch
 from msda_triton import backend, compile_ptx, kernels
-from test_kernels import BINNED_VARIANTS, CROWDED, VARIANTS, _id, assert_triton_parity
+from test_kernels import BINNED_VARIANTS, CROWDED, VARIANTS, _binned_id, _id, assert_triton_parity
 from triton_env import gpu_only
 
 pytestmark = gpu_only
@@ -21,7 +21,7 @@ def test_standard_shapes_match_float64(case, variant):
     assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device="cuda"), grad_accum)
 
 
-@pytest.mark.parametrize("variant", BINNED_VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", BINNED_VARIANTS, ids=_binned_id)
 @pytest.mark.parametrize("case", kit.STANDARD_CASES[:2], ids=lambda c: c.name)
 def test_binned_standard_shapes_match_float64(case, variant, binned):
     dtype, loc_dtype, deterministic = variant

@@ -123,14 +123,17 @@ def test_forward_is_deterministic():
 CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
 
 
-
 # (value dtype, location/weight dtype, deterministic): fp32 sums in any order, judged as fp32 atomics; half
 # values summed in fp32 and rounded once, as the accurate default; the exact fixed-point sums
 BINNED_VARIANTS = [(F32, F32, False), (BF16, F32, False), (F16, F16, True), (F32, F32, True)]
 
 
-@pytest.mark.parametrize("variant", BINNED_VARIANTS,
-                         ids=lambda v: _id((v[0], v[1], "deterministic" if v[2] else "auto")))
+def _binned_id(variant):
+    dtype, loc_dtype, deterministic = variant
+    return _id((dtype, loc_dtype, "deterministic" if deterministic else "auto"))
+
+
+@pytest.mark.parametrize("variant", BINNED_VARIANTS, ids=_binned_id)
 @pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
 def test_binned_grad_value_matches_float64(case, variant, binned):
     dtype, loc_dtype, deterministic = variant
