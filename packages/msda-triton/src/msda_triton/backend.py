@@ -220,12 +220,16 @@ GRAD_VALUE_METHOD = None
 GRAD_VALUE_METHODS = ("atomic", "binned")
 
 
+def _corner_entries(sampling_locations):
+    """The binned variant's list entries, allocated for every corner: 4 of each of numel / 2 samples."""
+    return 2 * sampling_locations.numel()
+
+
 def binned_grad_value(value, sampling_locations) -> bool:
     """Whether grad_value comes from the binned variant (launch_binned_grad_value) rather than backward_kernel's
     atomic adds. The rule keeps the atomic adds until the binned variant is timed (BENCHMARKS.md, "The binned
-    backward"). Binned needs every entry's slot and output row in int32: 4 corners of each sample < 2^31."""
-    fits = statically_known_true(2 * sampling_locations.numel() < 2 ** 31)  # 4 corners of numel / 2 samples
-    return GRAD_VALUE_METHOD == "binned" and fits
+    backward"). Binned needs every entry's slot and output row in int32: fewer than 2^31 entries."""
+    return GRAD_VALUE_METHOD == "binned" and statically_known_true(_corner_entries(sampling_locations) < 2 ** 31)
 
 
 def launch_binned_grad_value(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
@@ -236,7 +240,7 @@ def launch_binned_grad_value(grad_output, value, spatial_shapes, level_start_ind
     _, Q, S, M, D, L, P = _sizes(value, sampling_locations)
     n_value_rows = value.numel() // D
     counts = torch.zeros(n_value_rows, dtype=torch.int32, device=value.device)
-    entry_rows = torch.empty(2 * sampling_locations.numel(), dtype=torch.int32, device=value.device)
+    entry_rows = torch.empty(_corner_entries(sampling_locations), dtype=torch.int32, device=value.device)
     entry_weights = torch.empty(entry_rows.shape, dtype=torch.float32, device=value.device)
 
     def bin_corners(ends=None):
