@@ -138,11 +138,11 @@ def main(argv=None) -> int:
     for name, kernel, pointer_types, constexprs, num_warps in _variants():
         for arch in args.arch:
             ptx = compile_variant(kernel, pointer_types, constexprs, num_warps, arch)
-            loops = loop_sizes(compile_variant(kernel, pointer_types, constexprs, num_warps, arch, "sass")) \
-                if args.sass else ()
-            sass = (f"; loops of {', '.join(map(str, loops))} instructions" if loops else "; no loops") \
-                if args.sass else ""
-            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", atomic_instructions(ptx) + sass))
+            found = atomic_instructions(ptx)
+            if args.sass:
+                loops = loop_sizes(compile_variant(kernel, pointer_types, constexprs, num_warps, arch, "sass"))
+                found += f"; loops of {', '.join(map(str, loops))} instructions" if loops else "; no loops"
+            rows.append((name, f"sm_{arch}", f"{len(ptx) // 1024} KiB", found))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"{'variant':{widths[0]}}  {'arch':{widths[1]}}  {'ptx':>{widths[2]}}  atomic / reduction instructions"
           + ("; SASS loop sizes" if args.sass else ""))
