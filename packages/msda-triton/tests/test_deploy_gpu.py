@@ -46,7 +46,7 @@ def test_compile_inlines_the_triton_kernels_in_inference_and_training():
         kit.assert_close("grad", got, want, kit.tolerance(F32, "atomic"))
 
 
-def test_compiled_training_with_leaf_inputs_needs_no_copies_of_them(grad_value_method):
+def test_compiled_training_with_leaf_inputs_needs_no_copies_of_them():
     """The op alone, compiled, differentiated into leaf inputs that require grad: Inductor's analysis of the
     kernels finds they write only their outputs, so no leaf is copied into (which autograd forbids)."""
     inputs = kit.make_inputs(DECODER, F32, device="cuda")
@@ -60,7 +60,7 @@ def test_compiled_training_with_leaf_inputs_needs_no_copies_of_them(grad_value_m
         kit.assert_close(name, grad, expected[name], kit.tolerance(F32, "atomic"))
 
 
-def test_reduce_overhead_runs_a_decoder_training_step_with_no_cudagraph_skips(grad_value_method):
+def test_reduce_overhead_runs_a_decoder_training_step_with_no_cudagraph_skips():
     """The layer and its loss compiled with CUDA graphs (forward and backward graphs), trained under bf16
     autocast for a few steps: no graph is skipped, and the losses match eager's."""
     layer = _layer().cuda()
@@ -104,7 +104,7 @@ def test_dynamic_batch_and_queries_compile_once():
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "training"])
-def test_no_call_synchronizes_the_host(mode, grad_value_method):
+def test_no_call_synchronizes_the_host(mode):
     """Under torch.cuda.set_sync_debug_mode("error") any host sync raises: none may happen in any mode, with the
     level starts passed or derived, in the forward and the backward, atomic or deterministic."""
     inputs = kit.make_inputs(DECODER, BF16, F32, device="cuda")

@@ -7,7 +7,7 @@ import msda_testkit as kit
 import pytest
 import torch
 from msda_triton import backend, compile_ptx, kernels
-from test_kernels import BINNED_VARIANTS, CROWDED, VARIANTS, _binned_id, _id, assert_triton_parity
+from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
 from triton_env import gpu_only
 
 pytestmark = gpu_only
@@ -19,13 +19,6 @@ F16, F32 = torch.float16, torch.float32
 def test_standard_shapes_match_float64(case, variant):
     dtype, loc_dtype, grad_accum = variant
     assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device="cuda"), grad_accum)
-
-
-@pytest.mark.parametrize("variant", BINNED_VARIANTS, ids=_binned_id)
-@pytest.mark.parametrize("case", kit.STANDARD_CASES[:2], ids=lambda c: c.name)
-def test_binned_standard_shapes_match_float64(case, variant, binned):
-    dtype, loc_dtype, deterministic = variant
-    assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device="cuda"), "auto", deterministic)
 
 
 @pytest.mark.parametrize("head_dim", [1024, 1025, 2048])
@@ -67,7 +60,7 @@ def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_replayed_launches_read_the_new_tensors(deterministic, grad_value_method):
+def test_replayed_launches_read_the_new_tensors(deterministic):
     """A second call with the same shapes launches every kernel through the first call's plan
     (backend._replay), on its own tensors: its results match float64 for its own inputs."""
     case = replace(kit.case("out_of_bounds"), queries=37)  # a shape no other test launches
@@ -75,13 +68,12 @@ def test_replayed_launches_read_the_new_tensors(deterministic, grad_value_method
     backend._plans.clear()
     kit.run(first, "triton", kit.grad_output_for(first), deterministic=deterministic)
     plans = dict(backend._plans)
-    # forward, backward (+ anchor mass, finish; binned: + the corners' count and fill, the CSR sums)
-    assert len(plans) == (5 if grad_value_method == "binned" else 4 if deterministic else 2)
+    assert len(plans) == (4 if deterministic else 2)  # forward, backward (+ anchor mass, finish)
     assert_triton_parity(second, "auto", deterministic=deterministic)
     assert backend._plans == plans  # nothing derived again
 
 
-def test_offsets_past_2_pow_31(grad_value_method):
+def test_offsets_past_2_pow_31():
     """value has 2.4e9 elements: batch 1's pixels sit past 2^31; its results must match batch 1 alone."""
     B, H, W, M, D, Q, P = 2, 768, 768, 1, 2048, 64, 4
     assert B * H * W * M * D > 2 ** 31
@@ -132,7 +124,7 @@ def test_second_device():
     assert torch.equal(on_1.cpu(), on_0.cpu())
 
 
-def test_cuda_graph_capture_of_forward_and_backward(grad_value_method):
+def test_cuda_graph_capture_of_forward_and_backward():
     case = kit.case("decoder_b4_q300")
     static = kit.make_inputs(case, F32, device="cuda")
     grad_output = kit.grad_output_for(static)
@@ -196,7 +188,7 @@ def test_negative_control_atomics_differ_between_replays():
 @pytest.mark.parametrize("dtype", [F32, F16, torch.bfloat16])
 @pytest.mark.parametrize("case", [replace(CROWDED, queries=20000, head_dim=32), kit.case("encoder_b2")],
                          ids=lambda c: c.name)
-def test_deterministic_mode_replays_bit_exact(case, dtype, grad_value_method):
+def test_deterministic_mode_replays_bit_exact(case, dtype):
     inputs = kit.make_inputs(case, dtype, device="cuda")
     grad_output = kit.grad_output_for(inputs)
     kit.assert_replays_bit_exact(_forward_backward(grad_output, deterministic=True), inputs, replays=10,

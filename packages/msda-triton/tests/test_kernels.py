@@ -11,7 +11,6 @@ import msda_testkit as kit
 import pytest
 import torch
 import triton
-from msda_triton import backend
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
@@ -123,63 +122,6 @@ def test_forward_is_deterministic():
 CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
 
 
-# (value dtype, location/weight dtype, deterministic): fp32 sums in any order, judged as fp32 atomics; half
-# values summed in fp32 and rounded once, as the accurate default; the exact fixed-point sums
-BINNED_VARIANTS = [(F32, F32, False), (BF16, F32, False), (F16, F16, True), (F32, F32, True)]
-
-
-def _binned_id(variant):
-    dtype, loc_dtype, deterministic = variant
-    return _id((dtype, loc_dtype, "deterministic" if deterministic else "auto"))
-
-
-@pytest.mark.parametrize("variant", BINNED_VARIANTS, ids=_binned_id)
-@pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
-def test_binned_grad_value_matches_float64(case, variant, binned):
-    dtype, loc_dtype, deterministic = variant
-    assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device=DEVICE), "auto", deterministic)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("case", ["out_of_bounds", "nonfinite", "many_levels_points"])
-def test_binned_and_atomic_backwards_differ_only_in_grad_values_sum_order(case, dtype, monkeypatch):
-    """Both run backward_kernel for the location and weight gradients (the binned one without its scatter), so
-    those agree bit for bit; grad_value's terms are the same fp32 products, summed in another order."""
-    inputs = kit.make_inputs(kit.case(case), dtype, device=DEVICE)
-    grad_output = kit.grad_output_for(inputs)
-    results = {}
-    for method in backend.GRAD_VALUE_METHODS:
-        monkeypatch.setattr(backend, "GRAD_VALUE_METHOD", method)
-        results[method] = kit.run(inputs, "triton", grad_output)
-    atomic, binned = results["atomic"], results["binned"]
-    for name in ("output", "grad_sampling_locations", "grad_attention_weights"):
-        assert torch.equal(atomic[name].isnan(), binned[name].isnan()), name
-        assert torch.equal(atomic[name].nan_to_num(), binned[name].nan_to_num()), name
-    kit.assert_close("grad_value", binned["grad_value"], atomic["grad_value"],
-                     kit.tolerance(dtype, "atomic" if dtype == F32 else "gradient"))
-
-
-def test_binned_deterministic_mode_replays_bit_exact(binned):
-    inputs = kit.make_inputs(CROWDED, F32, device=DEVICE)
-    grad_output = kit.grad_output_for(inputs)
-    kit.assert_replays_bit_exact(lambda **inp: kit.run(inp, "triton", grad_output, deterministic=True), inputs,
-                                 replays=3, contention=True)
-
-
-def test_binned_nonfinite_grad_output(binned):
-    """fp32 sums keep an inf where it lands (the elements whose corners read the inf's output row); the exact
-    sums, with no finite bound, make all of grad_value NaN, as the deterministic mode documents."""
-    inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
-    grad_output = kit.grad_output_for(inputs)
-    grad_output[0, 0, 0] = float("inf")
-    expected = kit.run(kit.upcast(inputs), REFERENCE, grad_output.double())["grad_value"]
-    assert expected.isinf().any() and expected.isfinite().any()
-    got = kit.run(inputs, "triton", grad_output)["grad_value"]
-    assert torch.equal(got.isfinite(), expected.isfinite())
-    assert torch.equal(got[got.isinf()], expected[expected.isinf()].float())
-    assert kit.run(inputs, "triton", grad_output, deterministic=True)["grad_value"].isnan().all()
-
-
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32)],
                          ids=lambda d: "-".join(str(t)[6:] for t in d))
 @pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
@@ -240,7 +182,7 @@ def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     assert first.isnan().any() == (case == "nonfinite")
 
 
-def test_a_wrong_level_table_reads_nothing_outside_value(grad_value_method):
+def test_a_wrong_level_table_reads_nothing_outside_value():
     """The kernels mask every corner to value's rows, whatever the table says (on the GPU it is not validated): a
     table claiming 40 rows where value has 30 samples zeros past the end, as value padded with zero rows would."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)

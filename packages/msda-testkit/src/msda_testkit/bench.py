@@ -184,13 +184,11 @@ def _plot(rows, path):
             series = {}
             for r in rows:
                 if r.get(key + suffix) is not None:
-                    line = (r["backend"], r["dtype"], r.get("locations", "random"), r.get("grad_accum", "auto"),
-                            r.get("grad_value", "rule"))
+                    line = (r["backend"], r["dtype"], r.get("locations", "random"), r.get("grad_accum", "auto"))
                     series.setdefault(line, []).append((r["B"] * r["Q"], r[key + suffix]))
-            for i, ((backend, dtype, locations, accum, method), points) in enumerate(sorted(series.items())):
+            for i, ((backend, dtype, locations, accum), points) in enumerate(sorted(series.items())):
                 points.sort()
-                label = " ".join([backend, dtype, locations] + ([accum] if accum != "auto" else [])
-                                 + ([method] if method != "rule" else [])) + (
+                label = " ".join([backend, dtype, locations] + ([accum] if accum != "auto" else [])) + (
                     " (graph)" if suffix == "_graph_ms" else "")
                 ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="queries x batch", ylabel="median ms",
@@ -200,16 +198,6 @@ def _plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
-
-
-def _force_grad_value_method(method: str) -> None:
-    """Set how the Triton backward makes grad_value (msda_triton.backend.GRAD_VALUE_METHOD; "rule": its launch
-    rule), where msda-triton is installed."""
-    try:
-        from msda_triton import backend
-    except ImportError:
-        return
-    backend.GRAD_VALUE_METHOD = None if method == "rule" else method
 
 
 def main(argv=None) -> int:
@@ -224,9 +212,6 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-accum", nargs="*", default=["auto"], choices=["auto", "native", "fp32"],
                         help="the accumulation paths to time")
     parser.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
-    parser.add_argument("--grad-value", nargs="*", default=["rule"], choices=["rule", "atomic", "binned"],
-                        help="triton: how the backward makes grad_value, each timed in turn (rule: its launch rule; "
-                             "else forced, msda_triton.backend.GRAD_VALUE_METHOD)")
     parser.add_argument("--threads", type=int, default=2, help="CPU: torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=5, help="CPU: rounds in which the implementations take turns")
     parser.add_argument("--repeats", type=int, default=1,
@@ -251,21 +236,17 @@ def main(argv=None) -> int:
     rows = []
     for case in (with_layout(c, layout) for c in cases for layout in args.layouts):
         for dtype_name in args.dtypes or list(DTYPES):
-            for backend, grad_accum, method in ((b, a, m) for b in backends for a in args.grad_accum
-                                                for m in (args.grad_value if b == "triton" else ["rule"])):
-                _force_grad_value_method(method)
+            for backend, grad_accum in ((b, a) for b in backends for a in args.grad_accum):
                 row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum,
                               args.deterministic)
-                row["grad_value"] = method
                 bandwidth = env["copy_bandwidth_tb_s"] * 1e12
                 for key in ("fwd", "bwd"):
                     ms = row.get(f"{key}_graph_ms") or row[f"{key}_ms"]
                     row[f"{key}_bw_frac"] = row[f"{key}_min_bytes"] / (ms * 1e-3) / bandwidth
                 rows.append(row)
-                print(f"{row['case']} {row['locations']} {row['dtype']} {backend} {row['grad_accum']} {method}: "
+                print(f"{row['case']} {row['locations']} {row['dtype']} {backend} {row['grad_accum']}: "
                       f"fwd {row['fwd_ms']:.4g} ms, bwd {row['bwd_ms']:.4g} ms", flush=True)
-    _force_grad_value_method("rule")
-    columns = ["case", "locations", "dtype", "backend", "grad_accum", "grad_value", "fwd_ms", "bwd_ms", "fwd_graph_ms",
+    columns = ["case", "locations", "dtype", "backend", "grad_accum", "fwd_ms", "bwd_ms", "fwd_graph_ms",
                "bwd_graph_ms", "peak_extra_mb", "fwd_bw_frac", "bwd_bw_frac"]
     columns = [c for c in columns if any(c in r for r in rows)]
     print(json.dumps(env))

@@ -12,9 +12,7 @@ Effects:
   split at power-of-two scales into an integer and its remainder's multiple of 1/ratio; both are summed
   exactly and added once (one rounding). Each term errs by at most half the quantum 1/(scale*ratio) <
   bound * units * 2^-42 (units: the bound on an element's count of terms, bound: on its sum of |terms|;
-  see msda_triton.kernels._fixed_point_scales), so K terms of random sign err by ~sqrt(K) of that. The
-  binned variant (kernels.csr_grad_value_kernel) truncates each term to a multiple of 2^-61 of its
-  element's bound and sums int64s: a quantum at least 2^19 times finer; the same entries.
+  see msda_triton.kernels._fixed_point_scales), so K terms of random sign err by ~sqrt(K) of that.
 - ``atomic``: grad_value scattered with atomic adds, whose order varies run to run; in a half dtype
   (``grad_accum="native"``) every add also rounds the running sum. These entries hold for at most
   ``max_contributions`` adds into one element (K); the comparison counts K on the actual inputs and

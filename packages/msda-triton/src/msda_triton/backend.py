@@ -175,17 +175,12 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
             remember=config is None)
 
 
-def _maxima(grad_output, attention_weights) -> tuple:
-    """max|a| and max|g| as device scalars, with no host sync: what bounds every term of grad_value's sums."""
-    return (torch.linalg.vector_norm(attention_weights, float("inf")),
-            torch.linalg.vector_norm(grad_output, float("inf")))
-
-
 def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights):
     """What the deterministic mode's scales derive from (kernels._fixed_point_scales), as device scalars with
     no host sync: max|a|, max|g| and the largest anchored mass of kernels.anchor_mass_kernel."""
-    weight_max, grad_max = _maxima(grad_output, attention_weights)
+    weight_max = torch.linalg.vector_norm(attention_weights, float("inf"))
+    grad_max = torch.linalg.vector_norm(grad_output, float("inf"))
     mass = torch.zeros(value.shape[:3], dtype=torch.int64, device=value.device)
     pointers = (spatial_shapes, level_start_index, sampling_locations, attention_weights, weight_max, mass)
     if not (_eager(value) and _replay(kernels.anchor_mass_kernel, pointers)):
@@ -198,9 +193,9 @@ def fixed_point_maxima(grad_output, value, spatial_shapes, level_start_index, sa
 
 def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                     grad_value, grad_locations, grad_weights, fixed_point=None, config=None):
-    """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into), or None
-    for grad_locations and grad_weights alone. With ``fixed_point`` = (fraction, maxima): the deterministic
-    mode, grad_value and fraction fp32 and zeroed, maxima from fixed_point_maxima."""
+    """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
+    With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
+    maxima from fixed_point_maxima."""
     fraction, maxima = fixed_point or (None, (None, None, None))
     pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
                 grad_value, fraction, grad_locations, grad_weights, *maxima)
@@ -208,58 +203,9 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
         return
     sizes = _sizes(value, sampling_locations)
     blocks, num_warps = config or kernels.launch_config(
-        sizes[4], backward=True, half_atomics=grad_value is not None and grad_value.dtype != torch.float32)
+        sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
     _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),), pointers, sizes,
-            {**blocks, "FIXED_POINT": fixed_point is not None, "SCATTER": grad_value is not None}, num_warps,
-            remember=config is None)
-
-
-# Which way the backward makes grad_value: None leaves it to binned_grad_value's rule; "atomic" or "binned"
-# forces one (the bench and the tests time and check both through the same launches).
-GRAD_VALUE_METHOD = None
-GRAD_VALUE_METHODS = ("atomic", "binned")
-
-
-def _corner_entries(sampling_locations):
-    """The binned variant's list entries, allocated for every corner: 4 of each of numel / 2 samples."""
-    return 2 * sampling_locations.numel()
-
-
-def binned_grad_value(value, sampling_locations) -> bool:
-    """Whether grad_value comes from the binned variant (launch_binned_grad_value) rather than backward_kernel's
-    atomic adds. The rule keeps the atomic adds until the binned variant is timed (BENCHMARKS.md, "The binned
-    backward"). Binned needs every entry's slot and output row in int32: fewer than 2^31 entries."""
-    return GRAD_VALUE_METHOD == "binned" and statically_known_true(_corner_entries(sampling_locations) < 2 ** 31)
-
-
-def launch_binned_grad_value(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                             attention_weights, grad_value, maxima=None):
-    """grad_value (value's shape and any float dtype; every element is written) from the corners' lists of
-    kernels.bin_corners_kernel, summed by kernels.csr_grad_value_kernel: in fp32, or with ``maxima`` = _maxima's
-    (max|a|, max|g|) exactly in fixed point, reproducible bit for bit. Contiguous tensors."""
-    _, Q, S, M, D, L, P = _sizes(value, sampling_locations)
-    n_value_rows = value.numel() // D
-    counts = torch.zeros(n_value_rows, dtype=torch.int32, device=value.device)
-    entry_rows = torch.empty(_corner_entries(sampling_locations), dtype=torch.int32, device=value.device)
-    entry_weights = torch.empty(entry_rows.shape, dtype=torch.float32, device=value.device)
-
-    def bin_corners(ends=None):
-        pointers = (spatial_shapes, level_start_index, sampling_locations, attention_weights, counts,
-                    *((None, None, None) if ends is None else (ends, entry_rows, entry_weights)))
-        if not (_eager(value) and _replay(kernels.bin_corners_kernel, pointers)):
-            blocks, num_warps = kernels.BIN_CORNERS_LAUNCH
-            _launch(kernels.bin_corners_kernel, (triton.cdiv(attention_weights.numel(), blocks["BLOCK"]),), pointers,
-                    (attention_weights.numel(), Q, S, M, L, P), {**blocks, "FILL": ends is not None}, num_warps)
-
-    bin_corners()
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    bin_corners(ends)
-    pointers = (ends, entry_rows, entry_weights, grad_output, grad_value, *(maxima or (None, None)))
-    if not (_eager(value) and _replay(kernels.csr_grad_value_kernel, pointers)):
-        blocks, num_warps = kernels.csr_launch_config(D)
-        _launch(kernels.csr_grad_value_kernel, (triton.cdiv(n_value_rows, blocks["BLOCK_B"]),
-                                                triton.cdiv(D, blocks["BLOCK_D"])),
-                pointers, (n_value_rows, D), {**blocks, "FIXED_POINT": maxima is not None}, num_warps)
+            {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps, remember=config is None)
 
 
 def _forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -274,22 +220,15 @@ def _forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_inde
 def _backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
              level_start_index: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
              grad_accum: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """deterministic: grad_value as exact sums of integers (grad_accum does not apply), bitwise reproducible: in
-    two fp32 buffers (kernels._fixed_point_scales says why the sums are exact) or, binned, in int64 registers.
-    The binned variant sums in fp32 whatever grad_accum says."""
+    """deterministic: grad_value as exact sums of integers in two fp32 buffers (grad_accum does not apply),
+    bitwise reproducible; kernels._fixed_point_scales says why the sums are exact."""
     grad_output, *inputs = (t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index,
                                                      sampling_locations, attention_weights))
     value, sampling_locations, attention_weights = inputs[0], inputs[3], inputs[4]
-    grad_locations = torch.empty_like(sampling_locations)
-    grad_weights = torch.empty_like(attention_weights)
-    if binned_grad_value(value, sampling_locations):
-        grad_value = torch.empty_like(value)
-        launch_binned_grad_value(grad_output, *inputs, grad_value,
-                                 _maxima(grad_output, attention_weights) if deterministic else None)
-        launch_backward(grad_output, *inputs, None, grad_locations, grad_weights)
-        return grad_value, grad_locations, grad_weights
     fp32 = deterministic or accumulates_in_fp32(value.dtype, grad_accum)
     grad_value = torch.zeros(value.shape, dtype=torch.float32 if fp32 else value.dtype, device=value.device)
+    grad_locations = torch.empty_like(sampling_locations)
+    grad_weights = torch.empty_like(attention_weights)
     if not deterministic:
         launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights)
         return grad_value.to(value.dtype), grad_locations, grad_weights

@@ -1,7 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
 (the forward under each of launch_config's rules x int32/int64 offsets and the backward x
-native/fp32/fixed-point accumulation, x fp32/fp16/bf16, the deterministic mode's two helper kernels, and the
-binned backward's kernels: the gradients without the scatter, the corners' count and fill, the CSR sums).
+native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -26,7 +25,7 @@ from . import kernels
 
 ARCHS = (80, 90)
 INTS = {"n_rows": 2 * 22223 * 8, "Q": 22223, "S": 22223, "M": 8, "D": 32, "L": 4, "P": 4,
-        "numel": 2 * 22223 * 8 * 32, "n_value_rows": 2 * 22223 * 8, "n_samples": 2 * 22223 * 8 * 16}
+        "numel": 2 * 22223 * 8 * 32}
 INDEX_POINTERS = ("shapes_ptr", "starts_ptr", "mass_ptr", "mass_max_ptr")
 DTYPES = ("fp32", "fp16", "bf16")
 
@@ -54,29 +53,8 @@ def _variants():
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
             yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
-                   blocks | {"FIXED_POINT": fixed_point, "SCATTER": True}
+                   blocks | {"FIXED_POINT": fixed_point}
                    | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
-        gradients = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
-                     "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
-        blocks, num_warps = kernels.launch_config(INTS["D"], backward=True)
-        yield (f"backward {dtype} binned (no scatter)", kernels.backward_kernel, gradients,
-               blocks | {"FIXED_POINT": False, "SCATTER": False}
-               | dict.fromkeys(("grad_value_ptr", "fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")),
-               num_warps)
-        samples = {"loc_ptr": dtype, "weight_ptr": dtype, "counts_ptr": "i32"}
-        yield (f"bin corners count {dtype}", kernels.bin_corners_kernel, samples,
-               {**kernels.BIN_CORNERS_LAUNCH[0], "FILL": False,
-                **dict.fromkeys(("ends_ptr", "entry_row_ptr", "entry_weight_ptr"))}, kernels.BIN_CORNERS_LAUNCH[1])
-        yield (f"bin corners fill {dtype}", kernels.bin_corners_kernel,
-               samples | {"ends_ptr": "i32", "entry_row_ptr": "i32", "entry_weight_ptr": "fp32"},
-               {**kernels.BIN_CORNERS_LAUNCH[0], "FILL": True}, kernels.BIN_CORNERS_LAUNCH[1])
-        blocks, num_warps = kernels.csr_launch_config(INTS["D"])
-        entries = {"ends_ptr": "i32", "entry_row_ptr": "i32", "entry_weight_ptr": "fp32", "grad_out_ptr": dtype,
-                   "grad_value_ptr": dtype}
-        yield (f"csr grad_value {dtype} fp32", kernels.csr_grad_value_kernel, entries,
-               blocks | {"FIXED_POINT": False, "weight_max_ptr": None, "grad_max_ptr": None}, num_warps)
-        yield (f"csr grad_value {dtype} fixed-point", kernels.csr_grad_value_kernel,
-               entries | {"weight_max_ptr": dtype, "grad_max_ptr": dtype}, blocks | {"FIXED_POINT": True}, num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
                {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, *kernels.ANCHOR_MASS_LAUNCH)
         yield (f"fixed-point finish {dtype}", kernels.fixed_point_finish_kernel,

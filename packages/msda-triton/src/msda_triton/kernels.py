@@ -246,13 +246,12 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                     grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FIXED_POINT: tl.constexpr, SCATTER: tl.constexpr):
+                    FIXED_POINT: tl.constexpr):
     """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
-    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr). Without SCATTER it writes only
-    grad_loc and grad_weight (grad_value then comes from csr_grad_value_kernel)."""
+    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
@@ -294,15 +293,10 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 gv01 += tl.sum(g * tl.load(value_ptr + o01, mask=k01, other=0.0).to(tl.float32), axis=1)
                 gv10 += tl.sum(g * tl.load(value_ptr + o10, mask=k10, other=0.0).to(tl.float32), axis=1)
                 gv11 += tl.sum(g * tl.load(value_ptr + o11, mask=k11, other=0.0).to(tl.float32), axis=1)
-                if SCATTER:
-                    _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio,
-                                FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio, FIXED_POINT)
             grad_a = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
             grad_x = a * W.to(tl.float32) * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # chain rule of loc * W
             grad_y = a * H.to(tl.float32) * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))
@@ -312,100 +306,3 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             tl.store(grad_weight_ptr + sample, grad_a.to(grad_weight_ptr.dtype.element_ty), mask=row_ok)
             tl.store(grad_loc_ptr + 2 * sample, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=row_ok)
             tl.store(grad_loc_ptr + 2 * sample + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=row_ok)
-
-
-# grad_value as a sparse product (the binned variant of the backward, backend.GRAD_VALUE_METHOD): grad_value's
-# row j, the (b, s, m) row of value, is the sum over the corners that read it of (a * w) * g[r], r the corner's
-# output row. bin_corners_kernel lists those corners by row (CSR: ends = the inclusive cumsum of the counts),
-# csr_grad_value_kernel sums each row's list and writes the row once.
-BIN_CORNERS_LAUNCH = ({"BLOCK": 128}, 4)  # one sample per thread
-
-
-@triton.jit
-def _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row, output_rows, weight, mask, FILL: tl.constexpr):
-    """Count a corner in its row's list, or (FILL) write it into a slot of that list: (output row, weight)."""
-    if FILL:
-        left = tl.atomic_add(counts_ptr + row, -1, mask=mask, sem="relaxed")  # the counts fall back to 0
-        slot = tl.load(ends_ptr + row, mask=mask, other=0) - left
-        tl.store(entry_row_ptr + slot, output_rows.to(tl.int32), mask=mask)
-        tl.store(entry_weight_ptr + slot, weight, mask=mask)
-    else:
-        tl.atomic_add(counts_ptr + row, 1, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def bin_corners_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, counts_ptr, ends_ptr, entry_row_ptr,
-                       entry_weight_ptr, n_samples, Q, S, M, L, P, BLOCK: tl.constexpr, FILL: tl.constexpr):
-    """Every in-map corner of samples [i*BLOCK, +BLOCK) (the corners backward_kernel scatters to, with its masks)
-    as an entry of its value row's list. Without FILL: counts[row] += 1 (integer atomics, exact in any order).
-    With FILL, after ends = cumsum(counts): each entry takes slot ends[row] - (its row's count left), so a row's
-    entries fill [ends[row] - count, ends[row]) in the order the atomics arrive. One sample per thread, not a
-    row's samples in a loop: at decoder size that is every sample at once."""
-    sample = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = sample < n_samples
-    rows = sample // (L * P)
-    level = (sample // P) % L
-    H = tl.load(shapes_ptr + 2 * level, mask=ok, other=0).to(tl.int32)
-    W = tl.load(shapes_ptr + 2 * level + 1, mask=ok, other=0).to(tl.int32)
-    start = tl.load(starts_ptr + level, mask=ok, other=0).to(tl.int64)
-    loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
-    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
-    a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
-    p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, ok)
-    w00, w01, w10, w11 = _bilinear(fx, fy)
-    row00 = _head_start(rows, Q, S, M) + p00 * M
-    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00, rows, a * w00, m00, FILL)
-    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + M, rows, a * w01, m01, FILL)
-    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + W * M, rows, a * w10, m10, FILL)
-    _bin(counts_ptr, ends_ptr, entry_row_ptr, entry_weight_ptr, row00 + (W + 1) * M, rows, a * w11, m11, FILL)
-
-
-def csr_launch_config(D: int) -> tuple:
-    """(constexprs, num_warps) of csr_grad_value_kernel: 16 rows of value per program, their entries 8 at a time,
-    the channels as the forward blocks them. Not yet timed (BENCHMARKS.md, "The binned backward")."""
-    return {"BLOCK_B": 16, "BLOCK_E": 8, "BLOCK_D": min(triton.next_power_of_2(D), 64)}, 4
-
-
-@triton.jit
-def csr_grad_value_kernel(ends_ptr, entry_row_ptr, entry_weight_ptr, grad_out_ptr, grad_value_ptr, weight_max_ptr,
-                          grad_max_ptr, n_value_rows, D, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_D: tl.constexpr, FIXED_POINT: tl.constexpr):
-    """Rows [i*BLOCK_B, +BLOCK_B) of grad_value, channels [j*BLOCK_D, +BLOCK_D): each the sum of its entries'
-    weight * g[output row], written once (zeros where no corner reads the row), so grad_value needs no zeroing
-    and no fp32 buffer. The sum is fp32, in slot order (which varies run to run), or with FIXED_POINT exact:
-    each term scaled by a power of two and truncated to an int64, summed exactly (the same bits in any order),
-    then rounded once. The scale keeps the row's sum below 2^62: its count of entries times max|a| (which
-    bounds every a * w) times max|g| (weight_max_ptr, grad_max_ptr); NaN where that bound is not finite."""
-    value_rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = value_rows < n_value_rows
-    end = tl.load(ends_ptr + value_rows, mask=row_ok, other=0)
-    begin = tl.load(ends_ptr + value_rows - 1, mask=row_ok & (value_rows > 0), other=0)
-    count = end - begin
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    if FIXED_POINT:
-        bound = count.to(tl.float32) * tl.load(weight_max_ptr).to(tl.float32) * tl.load(grad_max_ptr).to(tl.float32)
-        scale = tl.where(bound == 0.0, 1.0, tl.where(bound < float("inf"), _pow2(61 - _exponent(bound)),
-                                                     float("nan")))
-        acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.int64)
-    else:
-        acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
-    for e0 in range(0, tl.max(count, axis=0), BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        e_ok = e[None, :] < count[:, None]
-        slot = begin[:, None] + e[None, :]
-        output_row = tl.load(entry_row_ptr + slot, mask=e_ok, other=0).to(tl.int64)
-        weight = tl.load(entry_weight_ptr + slot, mask=e_ok, other=0.0)
-        g = tl.load(grad_out_ptr + output_row[:, :, None] * D + d[None, None, :],
-                    mask=e_ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
-        term = weight[:, :, None] * g
-        if FIXED_POINT:
-            acc += tl.sum((term * scale[:, None, None]).to(tl.int64), axis=1)
-        else:
-            acc += tl.sum(term, axis=1)
-    if FIXED_POINT:
-        result = acc.to(tl.float32) / scale[:, None]
-    else:
-        result = acc
-    tl.store(grad_value_ptr + value_rows[:, None] * D + d[None, :], result.to(grad_value_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
