@@ -1,23 +1,26 @@
 """``patch(model)``: run every multi-scale deformable attention of an existing model through msda, in place.
 
-Nothing here imports transformers or ultralytics: modules are recognised by class name and module path, and
-by the global names their forward's bytecode loads. Mechanisms, least fragile first:
+Nothing here imports transformers, ultralytics or rfdetr: modules are recognised by class name and module path,
+and by the global names their forward's bytecode loads. Mechanisms, least fragile first:
 
 - ``child``: transformers' ten detector families (Deformable DETR, Grounding DINO, RT-DETR, ...) hold a
   parameter-free ``MultiScaleDeformableAttention`` as a wrapper's child. Each instance is replaced by
   ``msda_core.nn.MultiScaleDeformableAttention``: no class or module changes, so nothing outside this model does.
-- ``attribute``: D-FINE and DEIMv2 keep their core function per instance (``ms_deformable_attn_core``): set
-  on the instance, for the same reason.
+- ``attribute``: transformers' D-FINE and DEIMv2 and the original RT-DETR / RT-DETRv2 / D-FINE repositories keep
+  their core function per instance (``ms_deformable_attn_core``): set on the instance, for the same reason.
 - ``global``: the others call a module-level name from their forward: transformers' mask2former and
   oneformer (``multi_scale_deformable_attention``) and rt_detr_v2 (``..._v2``), ultralytics
-  (``multi_scale_deformable_attn_pytorch``), and Deformable-DETR-style forks, mmcv and detrex
+  (``multi_scale_deformable_attn_pytorch``), RF-DETR (``ms_deform_attn_core_pytorch``), BEVFormer
+  (``MultiScaleDeformableAttnFunction_fp32`` / ``_fp16``), and Deformable-DETR-style forks, mmcv and detrex
   (``MSDeformAttnFunction``, ``MultiScaleDeformableAttnFunction``, their PyTorch fallbacks). Replacing that
   global in the forward's own module keeps the library's forward code as it is, whatever fork it is; it
   holds for every model of that module in the process while any patched model uses it, so it is done only
   for modules the model contains, counted per model, and restored by the last ``unpatch``.
 
-The ``_v2`` function is served only for ``method="default"`` with equal points per level; other calls go to
-the original (modules whose settings say so are reported as left alone). No parameter or buffer changes.
+Names are shared across codebases with other signatures and layouts, so an original is replaced only where its
+parameters (names, count, defaults, ``functools.partial`` keywords) are one of the conventions in ``_FORMS``, and
+each call is checked for the layout msda serves; any other call goes to the original, counted apart. The
+transformers families were read from, and are tested with, transformers 5.24.0. No parameter or buffer changes.
 """
 
 from __future__ import annotations
@@ -80,11 +83,11 @@ def _check_function(value, value_spatial_shapes, value_level_start_index, sampli
 
 def _check_v2(value, value_spatial_shapes, sampling_locations, attention_weights, num_points_list, method="default"):
     if isinstance(value, (list, tuple)):  # D-FINE: one (B, M, D, H_l*W_l) per level
-        reason = next(filter(None, (_layout(v, "(B, M, D, H*W) per level", 1, sampling_locations) for v in value)),
-                      None) if value else "value: expected a tensor or one per level, got an empty sequence"
+        reasons = [_layout(v, "(B, M, D, H_l*W_l) per level", 1, sampling_locations) for v in value] or [
+            "value: expected a tensor or one per level, got an empty sequence"]
     else:
-        reason = _layout(value, "(B, S, M, D)", 2, sampling_locations)
-    return compat.v2_unsupported(num_points_list, method) or reason
+        reasons = [_layout(value, "(B, S, M, D)", 2, sampling_locations)]
+    return compat.v2_unsupported(num_points_list, method) or next(filter(None, reasons), None)
 
 
 _FORMS = {tuple(inspect.signature(check).parameters): (check, serve) for check, serve in (
