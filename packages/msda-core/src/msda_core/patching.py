@@ -373,8 +373,8 @@ def _patch_globals(report: PatchReport, name: str, module: nn.Module, namespace:
 
 def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> PatchReport:
     """Route every multi-scale deformable attention that ``model`` runs through msda, in place (the module
-    docstring lists how, per family). Returns the report; when nothing matched, ``strict=True`` raises and
-    ``strict=False`` warns."""
+    docstring lists how, per family; transformers' families as of 5.24.0, the version tested). Returns the report;
+    when nothing matched, ``strict=True`` raises and ``strict=False`` warns."""
     if model in _reports:
         raise ValueError(f"model: expected a model not patched yet, got a patched {type(model).__name__} "
                          f"(call msda_core.unpatch(model) first)")
