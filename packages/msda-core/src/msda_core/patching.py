@@ -110,7 +110,7 @@ def _form(original, label: str):
     """(check, serve) for the convention ``original`` follows, or why msda does not serve it (a str)."""
     try:
         parameters = _parameters(original)
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # a class without apply, a builtin, not callable
         return f"{label}: {type(original).__name__} {original!r} is not a function msda recognises"
     form = _FORMS.get(tuple(p.name for p in parameters))
     if form is None:
