@@ -205,7 +205,7 @@ class Patched:
 
     @property
     def calls(self) -> int:
-        """Calls msda served."""
+        """Calls msda served (a global's: from every module in the process that calls that name)."""
         return self.replacement.calls
 
     @property
