@@ -143,7 +143,7 @@ def bench(session):
 
 # PyPI's torchvision, which ultralytics needs, does not import beside torch 2.13.0: these two are a pair.
 INTEGRATIONS_TORCH = ("torch==2.14.1", "torchvision==0.29.1")
-INTEGRATIONS_LIBRARIES = ("transformers==5.24.0", "ultralytics==8.4.190")  # the versions integrations/ was read from
+INTEGRATIONS_LIBRARIES = ("transformers==5.24.0", "ultralytics==8.4.190", "rfdetr==1.11.2")  # what integrations/ read
 
 
 @nox.session

@@ -89,6 +89,29 @@ def test_v2_function_serves_equal_points_and_default_method_only():
         compat.multi_scale_deformable_attention_v2(*args, [2, 2], "discrete")
 
 
+
+@pytest.mark.parametrize("rank", [6, 5])
+def test_rfdetr_core_takes_value_heads_first_and_int_shapes(rank):
+    """RF-DETR's core: value (B, M, D, S), weights (B, Q, M, L*P), shapes as a tensor or as (H, W) ints."""
+    inputs = _inputs("many_levels_points")
+    loc, weights = inputs["sampling_locations"], inputs["attention_weights"].flatten(3, 4)
+    loc = loc if rank == 6 else loc.flatten(3, 4)
+    value = inputs["value"].permute(0, 2, 3, 1)
+    for shapes_hw in (None, inputs["spatial_shapes"].tolist()):
+        output = compat.ms_deform_attn_core_pytorch_bmds(value, inputs["spatial_shapes"], loc, weights,
+                                                         value_spatial_shapes_hw=shapes_hw)
+        _check_against_published(output, inputs)
+
+
+def test_v2_function_takes_dfine_per_level_value():
+    inputs = _inputs("tiny")
+    sizes = [h * w for h, w in inputs["spatial_shapes"].tolist()]
+    levels = inputs["value"].permute(0, 2, 3, 1).split(sizes, dim=-1)  # one (B, M, D, H_l*W_l) per level
+    output = compat.multi_scale_deformable_attention_v2(levels, inputs["spatial_shapes"].tolist(),
+                                                        inputs["sampling_locations"].flatten(3, 4),
+                                                        inputs["attention_weights"].flatten(3, 4), [2, 2])
+    _check_against_published(output, inputs)
+
 def test_autocast_dtypes_are_brought_to_a_pair_the_op_takes():
     """bf16 value and weights beside fp32 locations (as autocast leaves them): the weights go to fp32."""
     inputs = kit.make_inputs(kit.case("tiny"), torch.float64)

@@ -3,6 +3,7 @@
 float64 equality before and after, untouched parameters, exact restoration, and the errors."""
 
 import copy
+import functools
 import gc
 import io
 
@@ -23,8 +24,10 @@ class MSDeformAttnFunction:
     """Stands for the compiled extension's Function the forks import (here the published formula on the CPU)."""
 
     @staticmethod
-    def apply(value, shapes, starts, loc, weights, im2col_step):
-        return deformable_attention(value, [tuple(s) for s in shapes.tolist()], loc, weights)
+    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+              im2col_step):
+        shapes = [tuple(s) for s in value_spatial_shapes.tolist()]
+        return deformable_attention(value, shapes, sampling_locations, attention_weights)
 
 
 class MSDeformAttn(nn.Module):
@@ -162,7 +165,9 @@ def test_errors():
                                          r"\(strict=True\), found none in Sequential"):
         msda_core.patch(plain, strict=True)
     assert plain not in patching._reports
-    assert not msda_core.patch(plain).patched
+    with pytest.warns(UserWarning, match="msda_core.patch: nothing in Sequential runs through msda; it computes as "
+                                         "before"):
+        assert not msda_core.patch(plain).patched
     with pytest.raises(ValueError, match="model: expected a model not patched yet, got a patched Sequential"):
         msda_core.patch(plain)
     msda_core.unpatch(plain)
@@ -179,7 +184,8 @@ class _V2Caller(nn.Module):
         self.ms_deformable_attn_core = self.original
 
     @staticmethod
-    def original(*args):
+    def original(value, value_spatial_shapes, sampling_locations, attention_weights, num_points_list,
+                 method="default"):
         return "original"
 
 
@@ -219,3 +225,77 @@ def test_counting_does_not_recompile_under_torch_compile():
             compiled_core(*core_args)
         assert report.calls == core.calls == 0
     torch.compiler.reset()
+
+
+def _v2_original(value, value_spatial_shapes, sampling_locations, attention_weights, num_points_list,
+                 method="default"):
+    """Stands for a v2 core function: the published formula, bilinear whatever ``method`` says (so a call that
+    reached it instead of msda is seen only through the counters)."""
+    return deformable_attention(value, value_spatial_shapes, sampling_locations.unflatten(3, (2, -1)),
+                                attention_weights.unflatten(3, (2, -1)))
+
+
+class _PartialCaller(nn.Module):
+    """The original RT-DETRv2 / D-FINE arrangement: the core bound with its method through functools.partial, and
+    no settings msda reads."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.ms_deformable_attn_core = functools.partial(_v2_original, method=method)
+
+
+def _v2_args():
+    inputs = kit.make_inputs(kit.with_head_dim(kit.case("tiny"), 3), torch.float64)  # M = 2, D = 3
+    return (inputs["value"], [(6, 4), (3, 2)], inputs["sampling_locations"].flatten(3, 4),
+            inputs["attention_weights"].flatten(3, 4), [2, 2])
+
+
+def test_a_partial_binding_another_method_is_left_alone():
+    default, discrete = _PartialCaller("default"), _PartialCaller("discrete")
+    model = nn.ModuleList([default, discrete])
+    with msda_core.patch(model) as report:
+        assert [(p.name, p.mechanism) for p in report.patched] == [("0", "attribute: ms_deformable_attn_core")]
+        assert [(e.name, e.reason) for e in report.left_alone] == [
+            ("1", "ms_deformable_attn_core: method='discrete' bound (a functools.partial keyword or a default), msda "
+                  "serves only method='default'")]
+        assert isinstance(discrete.ms_deformable_attn_core, functools.partial)
+        default.ms_deformable_attn_core(*_v2_args())
+        assert report.calls == 1
+
+
+def ms_deform_attn_core_pytorch(value, value_spatial_shapes, sampling_locations, attention_weights, scale):
+    """A known name with a signature msda does not know (one parameter more)."""
+    raise AssertionError("not called")
+
+
+class _RefusedCaller(nn.Module):
+    def forward(self, *args):
+        return ms_deform_attn_core_pytorch(*args)
+
+
+def test_a_signature_msda_does_not_serve_is_left_alone():
+    model = _RefusedCaller()
+    with pytest.warns(UserWarning, match="nothing in _RefusedCaller runs through msda"):
+        report = msda_core.patch(model)
+    assert not report.patched
+    assert [e.reason for e in report.left_alone] == [
+        "test_patch.ms_deform_attn_core_pytorch(value, value_spatial_shapes, sampling_locations, attention_weights, "
+        "scale): not a signature msda serves"]
+    assert globals()["ms_deform_attn_core_pytorch"].__doc__.startswith("A known name")
+    msda_core.unpatch(model)
+    assert patching._form(object, "m.f") == "m.f: type <class 'object'> is not a function msda recognises"
+
+
+def test_a_call_msda_cannot_serve_goes_to_the_original_and_is_counted():
+    caller = _V2Caller([2, 2])
+    with msda_core.patch(caller) as report:
+        value, shapes, locations, weights, points = _v2_args()
+        core = caller.ms_deformable_attn_core
+        expected = _v2_original(value, shapes, locations, weights, points)
+        kit.assert_close("served", core(value, shapes, locations, weights, points), expected, FORWARD)
+        assert core(value, shapes, locations, weights, points, "discrete") == "original"  # msda: bilinear only
+        assert core(value.permute(0, 2, 3, 1), shapes, locations, weights, points) == "original"  # (B, M, D, S)
+        assert (report.calls, report.patched[0].fallbacks) == (1, 2)
+        assert str(report).splitlines()[1] == (
+            "  patched <model> (test_patch._V2Caller): attribute: ms_deformable_attn_core: 1 calls through msda, 2 "
+            "to the original (value: expected (B, S, M, D) with M = 2, got (1, 2, 3, 30))")

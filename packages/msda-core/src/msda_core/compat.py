@@ -101,6 +101,15 @@ ms_deform_attn_core_pytorch = multi_scale_deformable_attn_pytorch  # Deformable 
 multi_scale_deformable_attention = multi_scale_deformable_attn_pytorch  # transformers' mask2former, oneformer
 
 
+def ms_deform_attn_core_pytorch_bmds(value, value_spatial_shapes, sampling_locations, attention_weights,
+                                     value_spatial_shapes_hw=None, *, backend: str = "auto") -> torch.Tensor:
+    """RF-DETR's (and LW-DETR's export) ``ms_deform_attn_core_pytorch``: ``value`` laid out (B, M, D, S), level
+    shapes taken from the list of (H, W) ``value_spatial_shapes_hw`` when given; locations rank 6 or rank 5
+    (levels and points folded), weights (B, Q, M, L*P)."""
+    shapes = value_spatial_shapes if value_spatial_shapes_hw is None else value_spatial_shapes_hw
+    return run_op(value.permute(0, 3, 1, 2), shapes, None, sampling_locations, attention_weights, backend=backend)
+
+
 def v2_unsupported(num_points_list, method) -> str | None:
     """Why msda cannot serve a ``multi_scale_deformable_attention_v2`` call, or None when it can."""
     if method != "default":
@@ -112,11 +121,15 @@ def v2_unsupported(num_points_list, method) -> str | None:
 
 def multi_scale_deformable_attention_v2(value, value_spatial_shapes, sampling_locations, attention_weights,
                                         num_points_list, method="default", *, backend: str = "auto") -> torch.Tensor:
-    """transformers' RT-DETRv2 / D-FINE / DEIMv2 function: locations (B, Q, M, sum(P_l), 2), weights
-    (B, Q, M, sum(P_l)). Only ``method="default"`` with equal P_l (ValueError otherwise)."""
+    """transformers' RT-DETRv2 / D-FINE / DEIMv2 function and the original RT-DETRv2 / D-FINE repositories'
+    ``deformable_attention_core_func_v2``: value (B, S, M, D), or D-FINE's tuple of per-level (B, M, D, H_l*W_l);
+    locations (B, Q, M, sum(P_l), 2), weights (B, Q, M, sum(P_l)). Only ``method="default"`` with equal P_l
+    (ValueError otherwise)."""
     reason = v2_unsupported(num_points_list, method)
     if reason:
         raise ValueError(f"multi_scale_deformable_attention_v2: {reason}")
+    if isinstance(value, (list, tuple)):
+        value = torch.cat(value, dim=-1).permute(0, 3, 1, 2)
     return run_op(value, value_spatial_shapes, None, sampling_locations, attention_weights, backend=backend)
 
 
