@@ -5,12 +5,14 @@ same device, which msda-reference's test_reference_backends.py ties to the naive
 """
 
 import itertools
+from dataclasses import replace
 
 import msda_core
 import msda_testkit as kit
 import pytest
 import torch
 import triton
+from msda_triton import backend
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
@@ -20,7 +22,8 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # (value dtype, location/weight dtype, grad_accum)
 VARIANTS = [(F32, F32, "native"), (F32, F32, "fp32"), (F16, F16, "native"), (F16, F16, "fp32"),
-            (BF16, BF16, "fp32"), (BF16, BF16, "native"), (F16, F32, "native"), (BF16, F32, "auto")]
+            (BF16, BF16, "fp32"), (BF16, BF16, "native"), (F16, F32, "native"), (BF16, F32, "auto"),
+            (F16, F16, "auto")]
 
 
 def _id(variant):
@@ -30,12 +33,12 @@ def _id(variant):
 
 
 def assert_triton_parity(inputs, grad_accum, deterministic=False):
-    """grad_value is judged by the entry of the path that ran ("auto" resolved as the backend does)."""
-    in_fp32 = accumulates_in_fp32(inputs["value"].dtype, grad_accum)
+    """grad_value is judged by the entry of the path asked for ("auto": "few_adds" where the shapes let the
+    backend add natively)."""
     grad_output = kit.grad_output_for(inputs)
     actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum, deterministic=deterministic)
     expected = kit.reference(inputs, backend=REFERENCE)
-    effect = kit.grad_value_effect("triton", inputs, "fp32" if in_fp32 else "native", deterministic)
+    effect = kit.grad_value_effect("triton", inputs, grad_accum, deterministic)
     results = kit.compare_results(inputs, actual, expected, grad_value_effect=effect)
     if any(not r.passed for r in results):
         raise AssertionError("\n".join(str(r) for r in results))
@@ -74,12 +77,39 @@ def test_accumulation_paths_agree(dtype):
     kit.assert_close("grad_value", native["grad_value"], fp32["grad_value"], kit.tolerance(dtype, "atomic"))
 
 
+def _shaped(dtype, queries, pixels, levels=4, points=4):
+    """value and sampling_locations of these sizes, without data (meta tensors)."""
+    return (torch.empty(1, pixels, 8, 32, dtype=dtype, device="meta"),
+            torch.empty(1, queries, 8, levels, points, 2, dtype=dtype, device="meta"))
+
+
 def test_grad_accum_auto_rule():
-    """The accurate path is the default: half gradients accumulate in fp32 unless "native" is asked for."""
+    """"auto" adds half gradients natively where at most FEW_ADDS corners per element of grad_value are expected
+    (the decoder: 4*300*16 corners over 22223 pixels), in fp32 where more are (the encoder: Q = S)."""
+    decoder, encoder = (300, 22223), (22223, 22223)
+    assert backend.FEW_ADDS * decoder[1] >= 4 * 300 * 16
+    assert not accumulates_in_fp32(*_shaped(F16, *decoder), "auto")
+    assert accumulates_in_fp32(*_shaped(F16, *encoder), "auto")
+    # Triton's interpreter has no bf16 atomic add: there bf16 stays in fp32
+    assert accumulates_in_fp32(*_shaped(BF16, *decoder), "auto") == backend.INTERPRETED
+    assert accumulates_in_fp32(*_shaped(BF16, *encoder), "auto")
     for half in (F16, BF16):
-        assert accumulates_in_fp32(half, "auto") and accumulates_in_fp32(half, "fp32")
-        assert not accumulates_in_fp32(half, "native")
-    assert not any(accumulates_in_fp32(F32, mode) for mode in ("auto", "native", "fp32"))
+        for shape in (decoder, encoder):
+            assert accumulates_in_fp32(*_shaped(half, *shape), "fp32")
+            assert not accumulates_in_fp32(*_shaped(half, *shape), "native")
+    assert not any(accumulates_in_fp32(*_shaped(F32, *encoder), mode) for mode in ("auto", "native", "fp32"))
+
+
+# few queries on large maps: "auto" adds natively (4*Q*L*P = 288 <= S = 420), crowding K adds on the 4x5 level
+SPARSE = kit.Case("sparse", batch=2, queries=6, heads=2, head_dim=8, levels=((16, 20), (8, 10), (4, 5)), points=4)
+
+
+@pytest.mark.parametrize("layout", ["random", "model_like"])
+def test_the_default_keeps_within_the_few_adds_bound_where_it_adds_natively(layout):
+    inputs = kit.make_inputs(replace(SPARSE, layout=layout), F16, device=DEVICE)
+    assert not accumulates_in_fp32(inputs["value"], inputs["sampling_locations"], "auto")
+    assert kit.grad_value_effect("triton", inputs) == "few_adds"
+    assert_triton_parity(inputs, "auto")
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
@@ -182,19 +212,32 @@ def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     assert first.isnan().any() == (case == "nonfinite")
 
 
-def test_a_wrong_level_table_reads_nothing_outside_value():
-    """The kernels mask every corner to value's rows, whatever the table says (on the GPU it is not validated): a
-    table claiming 40 rows where value has 30 samples zeros past the end, as value padded with zero rows would."""
+def wrong_level_table(inputs):
+    """``inputs`` with a level table claiming 40 rows where value has 30 (level 1 reaching past value's end: not
+    validated on the GPU), and what the kernels must give for it: a level not inside value's rows contributes
+    nothing (kernels._level_inside), so the reference on level 0 alone, with zero gradients for level 1."""
+    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=inputs["value"].device),
+                 level_start_index=torch.tensor([0, 24], device=inputs["value"].device))
+    level_0 = dict(wrong, value=inputs["value"][:, :24], spatial_shapes=wrong["spatial_shapes"][:1],
+                   level_start_index=wrong["level_start_index"][:1],
+                   sampling_locations=inputs["sampling_locations"][:, :, :, :1],
+                   attention_weights=inputs["attention_weights"][:, :, :, :1])
+    return wrong, level_0
+
+
+def test_a_level_outside_value_contributes_nothing():
+    """The kernels check each level against value's rows, whatever the table says: with level 1 reaching past
+    value's end, output and gradients are level 0's, and nothing is read or written outside value."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
-    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=DEVICE),
-                 level_start_index=torch.tensor([0, 24], device=DEVICE))
-    padded = dict(wrong, value=torch.cat([inputs["value"], inputs["value"].new_zeros(2, 10, 2, 2)], 1))
+    wrong, level_0 = wrong_level_table(inputs)
     args = [wrong[k].contiguous() for k in kit.ARGUMENTS]
     got = torch.ops.msda._triton_forward(*args)
     grad_output = kit.grad_output_for(inputs)
-    grads = torch.ops.msda._triton_backward(grad_output, *args, "auto", False)
-    expected = kit.reference(padded, backend=REFERENCE)
+    grad_value, grad_locations, grad_weights = torch.ops.msda._triton_backward(grad_output, *args, "auto", False)
+    expected = kit.run(kit.upcast(level_0), REFERENCE, grad_output.double())
     kit.assert_close("output", got, expected["output"], kit.tolerance(F32, "forward"))
-    kit.assert_close("grad_value", grads[0], expected["grad_value"][:, :30], kit.tolerance(F32, "atomic"))
-    kit.assert_close("grad_attention_weights", grads[2], expected["grad_attention_weights"],
+    kit.assert_close("grad_value", grad_value[:, :24], expected["grad_value"], kit.tolerance(F32, "atomic"))
+    assert not grad_value[:, 24:].any() and not grad_locations[:, :, :, 1:].any()
+    assert not grad_weights[:, :, :, 1:].any()
+    kit.assert_close("grad_attention_weights", grad_weights[:, :, :, :1], expected["grad_attention_weights"],
                      kit.tolerance(F32, "gradient"))
