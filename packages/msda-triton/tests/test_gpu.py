@@ -40,17 +40,6 @@ def test_many_rows_with_wide_heads(head_dim, dtype):
     assert_triton_parity(kit.make_inputs(case, dtype, device="cuda"), "auto")
 
 
-@pytest.mark.parametrize("dtype", [F16, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["random", "model_like"])
-def test_the_default_decoder_backward_adds_natively_within_the_few_adds_bound(layout, dtype):
-    """The decoder's shapes let "auto" add natively (backend.FEW_ADDS); its grad_value keeps within the
-    (dtype, "few_adds") entry: the fp32 path's bound at the tensor's largest element."""
-    inputs = kit.make_inputs(replace(kit.case("decoder_b4_q300"), layout=layout), dtype, device="cuda")
-    assert not backend.accumulates_in_fp32(inputs["value"], inputs["sampling_locations"], "auto")
-    assert kit.grad_value_effect("triton", inputs) == "few_adds"
-    assert_triton_parity(inputs, "auto")
-
-
 def test_auto_picks_triton_on_cuda():
     inputs = kit.make_inputs(kit.case("tiny"), F32, device="cuda")
     assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"]) == "triton"

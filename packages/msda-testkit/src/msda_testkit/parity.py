@@ -77,23 +77,16 @@ def max_contributions_per_element(inputs: dict) -> int:
 def grad_value_effect(backend: str, inputs: dict, grad_accum: str = "auto", deterministic: bool = False) -> str:
     """The tolerance entry that judges ``backend``'s grad_value on ``inputs``, from its declarations:
     "gradient" where its backward is reproducible on the device, or where it accumulated half values in
-    fp32 (grad_accum "fp32", or "auto", the op's default, unless few_adds); "few_adds" for "auto" where it
-    may add natively; "fixed_point" for its deterministic mode; else "atomic"."""
+    fp32 (grad_accum "fp32" or "auto", the op's default) and rounded once; "fixed_point" for its
+    deterministic mode; else "atomic"."""
     declared = msda_core.backends()[backend]
     if inputs["value"].device.type in declared.reproducible_on:
         return "gradient"
     if deterministic and declared.deterministic_on_request:
         return "fixed_point"
     if declared.honors_grad_accum and grad_accum != "native" and inputs["value"].dtype != torch.float32:
-        return "few_adds" if grad_accum == "auto" and few_adds(inputs) else "gradient"
+        return "gradient"
     return "atomic"
-
-
-def few_adds(inputs: dict) -> bool:
-    """Whether grad_accum="auto" may add natively: at most one corner per element of grad_value on average
-    (4*Q*L*P <= S; msda_triton.backend.FEW_ADDS), judged by the (dtype, "few_adds") entry."""
-    _, Q, _, L, P, _ = inputs["sampling_locations"].shape
-    return 4 * Q * L * P <= inputs["value"].shape[1]
 
 
 def compare_results(inputs: dict, actual: dict, expected: dict, *, grad_value_effect: str = "gradient") -> list:

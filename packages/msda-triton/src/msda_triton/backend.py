@@ -38,25 +38,11 @@ if INTERPRETED:
                           "'msda-triton[interpreter]'") from err
 
 
-# "auto" adds fp16/bf16 gradients natively while 4*Q*L*P <= FEW_ADDS * S: on average at most this many corners
-# land on an element of grad_value (the decoder: 0.86; the encoder, Q = S: 64).
-FEW_ADDS = 1
-
-
-def accumulates_in_fp32(value, sampling_locations, grad_accum: str) -> bool:
-    """The accumulation switch for grad_value. "fp32" scatters fp16/bf16 gradients through an fp32 buffer of
-    value's shape, cast once at the end (each native half-precision add rounds the running sum); "native" adds in
-    the gradient's own dtype; fp32 gradients are fp32 either way. "auto" decides from the shapes alone (no host
-    sync): native where few corners land on each element, so few roundings add up and the buffer's zero fill
-    and cast would cost more than the scatter (the decoder), fp32 where many do (the encoder). Both keep within
-    the (dtype, "few_adds") entry of msda_testkit's tolerance table. A size the trace leaves symbolic takes fp32;
-    so does bf16 under Triton's interpreter, which has no bf16 atomic add."""
-    if value.dtype == torch.float32 or grad_accum == "native":
-        return False
-    if grad_accum == "fp32" or (INTERPRETED and value.dtype == torch.bfloat16):
-        return True
-    corners = 4 * sampling_locations.shape[1] * sampling_locations.shape[3] * sampling_locations.shape[4]
-    return not statically_known_true(corners <= FEW_ADDS * value.shape[1])
+def accumulates_in_fp32(dtype: torch.dtype, grad_accum: str) -> bool:
+    """The accumulation switch for grad_value: "auto" and "fp32" scatter fp16/bf16 gradients through an fp32
+    buffer cast once at the end (each native half-precision add rounds the running sum); "native" adds in the
+    gradient's own dtype. fp32 gradients are fp32 either way."""
+    return dtype != torch.float32 and grad_accum != "native"
 
 
 @functools.cache
@@ -239,7 +225,7 @@ def _backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: to
     grad_output, *inputs = (t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index,
                                                      sampling_locations, attention_weights))
     value, sampling_locations, attention_weights = inputs[0], inputs[3], inputs[4]
-    fp32 = deterministic or accumulates_in_fp32(value, sampling_locations, grad_accum)
+    fp32 = deterministic or accumulates_in_fp32(value.dtype, grad_accum)
     grad_value = torch.zeros(value.shape, dtype=torch.float32 if fp32 else value.dtype, device=value.device)
     grad_locations = torch.empty_like(sampling_locations)
     grad_weights = torch.empty_like(attention_weights)
