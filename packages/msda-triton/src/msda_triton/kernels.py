@@ -65,9 +65,9 @@ def _level_inside(H, W, start, S):
     """Whether a level of H x W pixels whose pixel 0 is row ``start`` of value lies inside value's rows [0, S):
     then every in-map corner of it (column in [0, W), row in [0, H), which _corners checks) is a row of value,
     and its pixel index fits the int32 arithmetic of _corners. The level table is not validated on the GPU, so
-    each kernel masks a level for which this is false, whole: it contributes nothing, and no table can make a
-    kernel read or write outside value. One scalar test per level, not a compare per corner (BENCHMARKS.md,
-    "The forward's regression")."""
+    each kernel takes W = 0 for a level where this is false: no column is then in the map, the level contributes
+    nothing, and no table can make a kernel read or write outside value. One scalar test per level, not a
+    compare per corner (BENCHMARKS.md, "The forward's regression")."""
     start = start.to(tl.int64)
     pixels = H.to(tl.int64) * W.to(tl.int64)
     return (start >= 0) & (start + pixels <= S) & (pixels < 2147483648)
@@ -83,8 +83,8 @@ def _corners(loc_x, loc_y, H, W, start, ok):
     A non-finite coordinate never becomes an address: coordinates outside [-1, W) x [-1, H) (NaN and inf
     included) are replaced by 0 before the integer conversion, and all their corners are masked off. At x = W
     both columns lie outside the map; at x = -1 the second is inside with weight 0, which grid_sample still
-    multiplies (an inf there gives NaN), so -1 stays in. A corner is masked unless it lies in the map, so with
-    ``ok`` false wherever _level_inside is, every unmasked corner is a row of value. The caller loads the
+    multiplies (an inf there gives NaN), so -1 stays in. A corner is masked unless it lies in the map, which for
+    a level that passed _level_inside makes it a row of value (the others have W = 0). The caller loads the
     locations and the level table: a helper given those pointers would make Inductor's analysis of the kernel
     count them as written (its results feed store addresses)."""
     Wf = W.to(tl.float32)
@@ -133,7 +133,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
         start = tl.load(starts_ptr + level)
-        inside = _level_inside(H, W, start, S)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
         start = start.to(rows.dtype)
         for p0 in range(0, P, BLOCK_P):
             point = p0 + tl.arange(0, BLOCK_P)[None, :]
@@ -142,8 +142,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
             loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
-            in_level = tl.where(inside, ok, False)  # (an & of the scalar: a wrong dtype in Triton's interpreter)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, in_level)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, ok)
             w00, w01, w10, w11 = _bilinear(fx, fy)
             a = tl.where(finite, a, float("nan"))
             p00 = base + (p00 * pixel_stride)[:, :, None]  # the corners' addresses, 01, 10, 11 relative to 00's
@@ -185,14 +184,14 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
         start = tl.load(starts_ptr + level)
-        in_level = tl.where(_level_inside(H, W, start, S), row_ok, False)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
         start = start.to(rows.dtype)
         for point in range(P):
             sample = rows * (L * P) + level * P + point
             loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, in_level)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, row_ok)
             anchor = tl.where(m00, p00, tl.where(m01, p00 + 1, tl.where(m10, p00 + W, p00 + W + 1)))
             units = tl.ceil(tl.abs(a) * per_unit)
             units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
@@ -279,14 +278,14 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
         start = tl.load(starts_ptr + level)
-        in_level = tl.where(_level_inside(H, W, start, S), row_ok, False)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
         start = start.to(rows.dtype)
         for point in range(P):
             sample = rows * (L * P) + level * P + point
             loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, in_level)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, row_ok)
             w00, w01, w10, w11 = _bilinear(fx, fy)
             gv00 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # <g, v_corner> over all channels
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
