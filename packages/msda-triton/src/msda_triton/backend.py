@@ -5,8 +5,12 @@ code. An eager call on real tensors runs the same bodies directly, skipping the 
 time a decoder-sized call feels (BENCHMARKS.md, "Host time after the op-layer rebuild"), on CUDA tensors, or on
 CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
 
-The bodies also run on fake tensors, so they branch on metadata only: a launch rule that depends on a size the
-trace leaves symbolic takes the choice that is right for every size (launch_forward).
+Each launch site (launch_forward, fixed_point_maxima, launch_backward, finish_fixed_point) hands its kernel, its
+pointers and a ``derive()`` of the rest of the launch to ``_launch``, once: traced, wrap_triton records it;
+eagerly, ``replay.launch`` runs the launcher an earlier launch of the same key left (the one private Triton API,
+in its own module, with the JIT as its fallback) or derives the launch. The bodies also run on fake tensors, so
+they branch on metadata only: a launch rule that depends on a size the trace leaves symbolic takes the choice
+that is right for every size (launch_forward).
 """
 
 from __future__ import annotations
@@ -36,12 +40,6 @@ def accumulates_in_fp32(dtype: torch.dtype, grad_accum: str) -> bool:
     buffer cast once at the end (each native half-precision add rounds the running sum); "native" adds in the
     gradient's own dtype. fp32 gradients are fp32 either way."""
     return dtype != torch.float32 and grad_accum != "native"
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple:
-    """A CUDA device's compute capability, asked once: the query costs host time on every call otherwise."""
-    return torch.cuda.get_device_capability(device)
 
 
 def _eager(tensor) -> bool:
@@ -201,6 +199,12 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     run = _backward if _eager(value) else _triton_backward
     return run(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                grad_accum, deterministic)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple:
+    """A CUDA device's compute capability, asked once: the query costs host time on every call otherwise."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _limits(inputs) -> list:

@@ -3,9 +3,10 @@
 ``launch`` is what every eager launch of the backend goes through. The first launch of a kernel for a key
 (``key``) derives its grid and arguments and goes through Triton's JIT, which leaves a compiled kernel; its
 launcher for that grid is kept as a plan. A later launch with the same key calls the plan directly, skipping
-both the derivation and the JIT's per-call argument handling: 22-28% of a decoder call's host time
-(BENCHMARKS.md, "Launch replay"). The fallback is the JIT itself: with ``ENABLED`` off, under the interpreter
-(which compiles nothing), or once the private API is not what this module expects (it then turns itself off).
+both the derivation and the JIT's per-call argument handling: a quarter of a decoder forward+backward's host
+time (BENCHMARKS.md, "The decoder call from Python"). The fallback is the JIT itself: with ``ENABLED`` off,
+under the interpreter (which compiles nothing), or once the private API is not what this module expects (it then
+turns itself off).
 """
 
 from __future__ import annotations
