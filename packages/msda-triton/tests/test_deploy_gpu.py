@@ -3,6 +3,7 @@
 import msda_testkit as kit
 import pytest
 import torch
+from test_kernels import wrong_level_table
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
@@ -126,16 +127,12 @@ def test_no_call_synchronizes_the_host(mode):
 
 
 def test_a_wrong_level_table_on_the_gpu_reads_nothing_outside_value():
-    """CUDA tables are not read on the host; a table claiming more rows than value has gives zeros for the
-    corners past value's end, exactly as value padded with zero rows would."""
-    case = kit.case("out_of_bounds")
-    inputs = kit.make_inputs(case, F32, device="cuda")
-    wrong_levels = ((6, 4), (4, 4))  # 40 rows where value has 30
-    wrong = dict(inputs, spatial_shapes=torch.tensor(wrong_levels, device="cuda"),
-                 level_start_index=torch.tensor([0, 24], device="cuda"))
-    padded = dict(wrong, value=torch.cat([inputs["value"], inputs["value"].new_zeros(2, 10, 2, 2)], 1))
+    """CUDA tables are not read on the host; a level the table places past value's end contributes nothing,
+    through the public op too (test_kernels.wrong_level_table)."""
+    inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device="cuda")
+    wrong, level_0 = wrong_level_table(inputs)
     got = torch.ops.msda.deform_attn(**wrong, backend="triton")
-    expected = kit.run(kit.upcast(padded), "grid_sample")["output"]
+    expected = kit.run(kit.upcast(level_0), "grid_sample")["output"]
     kit.assert_close("output", got, expected, kit.tolerance(F32, "forward"))
 
 

@@ -182,19 +182,32 @@ def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     assert first.isnan().any() == (case == "nonfinite")
 
 
-def test_a_wrong_level_table_reads_nothing_outside_value():
-    """The kernels mask every corner to value's rows, whatever the table says (on the GPU it is not validated): a
-    table claiming 40 rows where value has 30 samples zeros past the end, as value padded with zero rows would."""
+def wrong_level_table(inputs):
+    """``inputs`` with a level table claiming 40 rows where value has 30 (level 1 reaching past value's end: not
+    validated on the GPU), and what the kernels must give for it: a level not inside value's rows contributes
+    nothing (kernels._level_inside), so the reference on level 0 alone, with zero gradients for level 1."""
+    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=inputs["value"].device),
+                 level_start_index=torch.tensor([0, 24], device=inputs["value"].device))
+    level_0 = dict(wrong, value=inputs["value"][:, :24], spatial_shapes=wrong["spatial_shapes"][:1],
+                   level_start_index=wrong["level_start_index"][:1],
+                   sampling_locations=inputs["sampling_locations"][:, :, :, :1],
+                   attention_weights=inputs["attention_weights"][:, :, :, :1])
+    return wrong, level_0
+
+
+def test_a_level_outside_value_contributes_nothing():
+    """The kernels check each level against value's rows, whatever the table says: with level 1 reaching past
+    value's end, output and gradients are level 0's, and nothing is read or written outside value."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
-    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=DEVICE),
-                 level_start_index=torch.tensor([0, 24], device=DEVICE))
-    padded = dict(wrong, value=torch.cat([inputs["value"], inputs["value"].new_zeros(2, 10, 2, 2)], 1))
+    wrong, level_0 = wrong_level_table(inputs)
     args = [wrong[k].contiguous() for k in kit.ARGUMENTS]
     got = torch.ops.msda._triton_forward(*args)
     grad_output = kit.grad_output_for(inputs)
-    grads = torch.ops.msda._triton_backward(grad_output, *args, "auto", False)
-    expected = kit.reference(padded, backend=REFERENCE)
+    grad_value, grad_locations, grad_weights = torch.ops.msda._triton_backward(grad_output, *args, "auto", False)
+    expected = kit.run(kit.upcast(level_0), REFERENCE, grad_output.double())
     kit.assert_close("output", got, expected["output"], kit.tolerance(F32, "forward"))
-    kit.assert_close("grad_value", grads[0], expected["grad_value"][:, :30], kit.tolerance(F32, "atomic"))
-    kit.assert_close("grad_attention_weights", grads[2], expected["grad_attention_weights"],
+    kit.assert_close("grad_value", grad_value[:, :24], expected["grad_value"], kit.tolerance(F32, "atomic"))
+    assert not grad_value[:, 24:].any() and not grad_locations[:, :, :, 1:].any()
+    assert not grad_weights[:, :, :, 1:].any()
+    kit.assert_close("grad_attention_weights", grad_weights[:, :, :, :1], expected["grad_attention_weights"],
                      kit.tolerance(F32, "gradient"))

@@ -1,6 +1,7 @@
-"""backend._launch_now and backend._replay: an eager launch is repeated through Triton's compiled kernel only for
-tensors that Triton would specialize alike and that fix the same integer arguments (the same shapes), and the
-replay, the one use of a private Triton API, turns itself off when that API is not what it expects.
+"""replay.launch: an eager launch is repeated through Triton's compiled kernel only for tensors that Triton would
+specialize alike and that fix the same integer arguments (the same shapes); the replay, the one use of a private
+Triton API, turns itself off when that API is not what it expects, and the JIT, its fallback, launches with the
+same arguments.
 
 Stand-ins replace the JIT function and its CompiledKernel, so this runs without a GPU or the interpreter;
 the GPU suite runs the real kernels through the same path (test_gpu.py also mixes aligned and misaligned
@@ -9,7 +10,7 @@ inputs of one shape).
 
 import pytest
 import torch
-from msda_triton import backend
+from msda_triton import replay
 from triton.compiler import CompiledKernel
 
 
@@ -53,21 +54,38 @@ def _at(residue: int, dtype=torch.float32) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(backend, "_plans", {})
-    monkeypatch.setattr(backend, "REPLAY_LAUNCHES", True)
+    monkeypatch.setattr(replay, "_plans", {})
+    monkeypatch.setattr(replay, "ENABLED", True)
 
 
-def _first_launch(kernel, x, remember=True):
-    backend._launch_now(kernel, (4,), (x,), (x.numel(),), {"BLOCK": 16}, 2, remember)
+def _launch(kernel, x, replayable=True) -> bool:
+    """A launch with grid (4,), scalar n = x.numel(), BLOCK 16, 2 warps; whether a plan ran it."""
+    derive = lambda: replay.Launch((4,), (x.numel(),), {"BLOCK": 16}, 2)  # noqa: E731
+    return replay.launch(kernel, (x,), derive, {"enable_fp_fusion": True}, replayable)
+
+
 
 
 def test_a_launch_is_replayed_through_the_compiled_kernel_with_every_parameter_in_order():
     kernel = _Kernel()
-    _first_launch(kernel, _at(0))
+    _launch(kernel, _at(0))
     other_x = _at(16)  # Triton specializes on 16-byte alignment, no finer
-    assert backend._replay(kernel, (other_x,))
+    assert _launch(kernel, other_x)
     assert _routes(kernel) == ["jit", "compiled"]
     assert kernel.launches[1] == ("compiled", (4, 1, 1), (other_x, 64, 16))
+
+
+def test_the_jit_fallback_binds_the_same_arguments_as_the_replay():
+    """What the replayed launcher receives positionally is what the JIT received, bound by name."""
+    kernel, x = _Kernel(), _at(0)
+    _launch(kernel, x)
+    replay.ENABLED = False
+    assert not _launch(kernel, x)
+    (_, _, jit_args, constexprs, _), (_, _, again, _, _) = kernel.launches
+    replay.ENABLED = True
+    _launch(kernel, x)
+    bound = dict(zip(_Kernel.arg_names, jit_args)) | constexprs
+    assert dict(zip(_Kernel.arg_names, kernel.launches[2][2])) == bound and again == jit_args
 
 
 @pytest.mark.parametrize("other", [
@@ -78,24 +96,24 @@ def test_a_launch_is_replayed_through_the_compiled_kernel_with_every_parameter_i
 ], ids=["misaligned", "dtype", "length", "shape"])
 def test_a_tensor_triton_or_the_launch_could_treat_differently_is_not_replayed(other):
     kernel = _Kernel()
-    _first_launch(kernel, _at(0))
-    assert not backend._replay(kernel, (other(),))
-    assert _routes(kernel) == ["jit"]
+    _launch(kernel, _at(0))
+    assert not _launch(kernel, other())
+    assert _routes(kernel) == ["jit", "jit"]
 
 
 def test_another_kernel_is_not_replayed_by_this_ones_plan():
     kernel, other_kernel, x = _Kernel(), _Kernel(), _at(0)
-    _first_launch(kernel, x)
-    assert not backend._replay(other_kernel, (x,))
+    _launch(kernel, x)
+    assert not _launch(other_kernel, x)
 
 
 def test_no_plan_is_left_without_a_compiled_kernel_or_when_not_to_be_remembered():
     """Under the interpreter a launch compiles nothing; launches with a tuning config are not the default's."""
     interpreted, tuned, x = _Kernel(returns=lambda launches: None), _Kernel(), _at(0)
-    _first_launch(interpreted, x)
-    _first_launch(tuned, x, remember=False)
-    assert not backend._replay(interpreted, (x,)) and not backend._replay(tuned, (x,))
-    assert _routes(interpreted) == _routes(tuned) == ["jit"]
+    _launch(interpreted, x)
+    _launch(tuned, x, replayable=False)
+    assert not _launch(interpreted, x) and not _launch(tuned, x, replayable=False)
+    assert _routes(interpreted) == _routes(tuned) == ["jit", "jit"]
 
 
 def test_a_compiled_kernel_without_the_expected_launcher_leaves_no_plan_and_stops_replays():
@@ -104,9 +122,9 @@ def test_a_compiled_kernel_without_the_expected_launcher_leaves_no_plan_and_stop
             raise AttributeError("no launcher here")
 
     kernel, x = _Kernel(returns=NoLauncher), _at(0)
-    _first_launch(kernel, x)
-    assert not backend.REPLAY_LAUNCHES and backend._plans == {}
-    assert not backend._replay(kernel, (x,))
+    _launch(kernel, x)
+    assert not replay.ENABLED and replay._plans == {}
+    assert not _launch(kernel, x)
 
 
 def test_a_launcher_whose_calling_convention_changed_falls_back_to_the_jit():
@@ -117,15 +135,16 @@ def test_a_launcher_whose_calling_convention_changed_falls_back_to_the_jit():
             return run
 
     kernel, x = _Kernel(returns=ChangedLauncher), _at(0)
-    _first_launch(kernel, x)
-    assert not backend._replay(kernel, (x,))  # the caller then launches through the JIT
-    assert not backend.REPLAY_LAUNCHES and backend._plans == {}
-    _first_launch(kernel, x)
-    assert _routes(kernel) == ["jit", "jit"] and backend._plans == {}
+    _launch(kernel, x)
+    assert not _launch(kernel, x)  # the plan raised before launching: the JIT launched instead
+    assert not replay.ENABLED and replay._plans == {}
+    _launch(kernel, x)
+    assert _routes(kernel) == ["jit", "jit", "jit"] and replay._plans == {}
 
 
 def test_replays_switched_off_launch_through_the_jit_every_time():
     kernel, x = _Kernel(), _at(0)
-    backend.REPLAY_LAUNCHES = False
-    _first_launch(kernel, x)
-    assert not backend._replay(kernel, (x,)) and backend._plans == {}
+    replay.ENABLED = False
+    _launch(kernel, x)
+    assert not _launch(kernel, x) and replay._plans == {}
+    assert _routes(kernel) == ["jit", "jit"]

@@ -61,7 +61,20 @@ def _head_start(rows, Q, S, M):
 
 
 @triton.jit
-def _corners(loc_x, loc_y, H, W, start, S, ok):
+def _level_inside(H, W, start, S):
+    """Whether a level of H x W pixels whose pixel 0 is row ``start`` of value lies inside value's rows [0, S):
+    then every in-map corner of it (column in [0, W), row in [0, H), which _corners checks) is a row of value,
+    and its pixel index fits the int32 arithmetic of _corners. The level table is not validated on the GPU, so
+    each kernel takes W = 0 for a level where this is false: no column is then in the map, the level contributes
+    nothing, and no table can make a kernel read or write outside value. One scalar test per level, not a
+    compare per corner (BENCHMARKS.md, "The forward's regression")."""
+    start = start.to(tl.int64)
+    pixels = H.to(tl.int64) * W.to(tl.int64)
+    return (start >= 0) & (start + pixels <= S) & (pixels < 2147483648)
+
+
+@triton.jit
+def _corners(loc_x, loc_y, H, W, start, ok):
     """The bilinear corners of samples at normalized (loc_x, loc_y) (masked by ``ok``) on a level of H x W pixels
     whose pixel 0 is row ``start`` of value: (p00, m00, m01, m10, m11, fx, fy, finite), where p00 is corner 00's
     pixel index into S (corners 01, 10, 11 are p00 + 1, + W, + W + 1), m the corners' masks, fx, fy the
@@ -70,11 +83,10 @@ def _corners(loc_x, loc_y, H, W, start, S, ok):
     A non-finite coordinate never becomes an address: coordinates outside [-1, W) x [-1, H) (NaN and inf
     included) are replaced by 0 before the integer conversion, and all their corners are masked off. At x = W
     both columns lie outside the map; at x = -1 the second is inside with weight 0, which grid_sample still
-    multiplies (an inf there gives NaN), so -1 stays in. A corner is also masked unless its pixel lies in
-    [0, S): whatever the level table holds (it is not validated on the GPU), no read or write leaves value's
-    rows. The caller loads the locations and the level table: a helper given those pointers would make
-    Inductor's analysis of the kernel count them as written (its results feed store addresses)."""
-    tl.assume(S >= 0)  # so each (0 <= p) & (p < S) below folds into one unsigned compare
+    multiplies (an inf there gives NaN), so -1 stays in. A corner is masked unless it lies in the map, which for
+    a level that passed _level_inside makes it a row of value (the others have W = 0). The caller loads the
+    locations and the level table: a helper given those pointers would make Inductor's analysis of the kernel
+    count them as written (its results feed store addresses)."""
     Wf = W.to(tl.float32)
     Hf = H.to(tl.float32)
     x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
@@ -92,9 +104,7 @@ def _corners(loc_x, loc_y, H, W, start, S, ok):
     in_y0 = y0 >= 0
     in_y1 = y0 + 1 < H
     p00 = start + (y0 * W + x0).to(start.dtype)
-    return (p00, in_y0 & in_x0 & (p00 >= 0) & (p00 < S), in_y0 & in_x1 & (p00 + 1 >= 0) & (p00 + 1 < S),
-            in_y1 & in_x0 & (p00 + W >= 0) & (p00 + W < S), in_y1 & in_x1 & (p00 + W + 1 >= 0) & (p00 + W + 1 < S),
-            x - x0f, y - y0f, finite)
+    return p00, in_y0 & in_x0, in_y0 & in_x1, in_y1 & in_x0, in_y1 & in_x1, x - x0f, y - y0f, finite
 
 
 @triton.jit
@@ -122,7 +132,9 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     for level in range(L):
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-        start = tl.load(starts_ptr + level).to(rows.dtype)
+        start = tl.load(starts_ptr + level)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
+        start = start.to(rows.dtype)
         for p0 in range(0, P, BLOCK_P):
             point = p0 + tl.arange(0, BLOCK_P)[None, :]
             ok = row_ok[:, None] & (point < P)
@@ -130,7 +142,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
             loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, ok)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, ok)
             w00, w01, w10, w11 = _bilinear(fx, fy)
             a = tl.where(finite, a, float("nan"))
             p00 = base + (p00 * pixel_stride)[:, :, None]  # the corners' addresses, 01, 10, 11 relative to 00's
@@ -171,13 +183,15 @@ def anchor_mass_kernel(shapes_ptr, starts_ptr, loc_ptr, weight_ptr, weight_max_p
     for level in range(L):
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-        start = tl.load(starts_ptr + level).to(rows.dtype)
+        start = tl.load(starts_ptr + level)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
+        start = start.to(rows.dtype)
         for point in range(P):
             sample = rows * (L * P) + level * P + point
             loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, row_ok)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, row_ok)
             anchor = tl.where(m00, p00, tl.where(m01, p00 + 1, tl.where(m10, p00 + W, p00 + W + 1)))
             units = tl.ceil(tl.abs(a) * per_unit)
             units = tl.where(units < 2.0 ** 62, units, 0.0)  # NaN/inf weights: their scale is NaN anyway
@@ -263,13 +277,15 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
     for level in range(L):
         H = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         W = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-        start = tl.load(starts_ptr + level).to(rows.dtype)
+        start = tl.load(starts_ptr + level)
+        W = tl.where(_level_inside(H, W, start, S), W, 0)  # a level outside value: no column is in the map
+        start = start.to(rows.dtype)
         for point in range(P):
             sample = rows * (L * P) + level * P + point
             loc_x = tl.load(loc_ptr + 2 * sample, mask=row_ok, other=0.0).to(tl.float32)
             loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=row_ok, other=0.0).to(tl.float32)
             a = tl.load(weight_ptr + sample, mask=row_ok, other=0.0).to(tl.float32)
-            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, S, row_ok)
+            p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, row_ok)
             w00, w01, w10, w11 = _bilinear(fx, fy)
             gv00 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # <g, v_corner> over all channels
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)

@@ -1,0 +1,92 @@
+"""``python benchmarks/decoder_host_time.py`` (GPU): host time of the decoder B4 Q300 op called from Python.
+
+The launch replay on and off by turns (msda_triton.replay.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
+and a torch.profiler breakdown of forward+grad, and torch.compile's figure beside eager's (BENCHMARKS.md, "The
+decoder call from Python")."""
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import msda_testkit as kit
+import torch
+from msda_testkit.cases import STANDARD_CASES
+from msda_triton import replay
+
+GPU_CASES = tuple(replace(c, loc_range=(-0.1, 1.1)) for c in STANDARD_CASES)  # the bench's cases
+
+N = 1000
+
+
+def host_ms(fn, n=N):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def calls(dtype):
+    inputs = kit.make_inputs(GPU_CASES[0], dtype, device="cuda")
+    leaves = {k: (v.detach().requires_grad_() if k in kit.DIFFERENTIABLE else v) for k, v in inputs.items()}
+    g = kit.grad_output_for(inputs)
+    diff = [leaves[k] for k in kit.DIFFERENTIABLE]
+
+    def fwd():
+        return torch.ops.msda.deform_attn(**leaves)
+
+    def both():
+        return torch.autograd.grad(fwd(), diff, g)
+    return fwd, both, leaves, diff, g
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    fwd, both, *_ = calls(dtype)
+    for fn in (fwd, both):
+        fn()
+    res = {(on, name): [] for on in (True, False) for name in ("fwd", "both")}
+    for _ in range(6):
+        for on in (True, False):
+            replay.ENABLED = on
+            res[(on, "fwd")].append(host_ms(fwd))
+            res[(on, "both")].append(host_ms(both))
+    replay.ENABLED = True
+    for name in ("fwd", "both"):
+        on, off = (statistics.median(res[(o, name)]) for o in (True, False))
+        print(f"replay {str(dtype)[6:]:9s} {name:5s} on {on:.4f} off {off:.4f} ms  saves {1 - on / off:.0%}",
+              flush=True)
+
+fwd, both, leaves, diff, g = calls(torch.float32)
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(2000):
+    both()
+torch.cuda.synchronize()
+prof.disable()
+stats = pstats.Stats(prof, stream=sys.stdout)
+stats.sort_stats("tottime").print_stats(22)
+
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+    for _ in range(200):
+        both()
+    torch.cuda.synchronize()
+print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+for dtype in (torch.float32,):
+    _, _, leaves, diff, g = calls(dtype)
+    op = torch.compile(lambda v, s, i, l, a: torch.ops.msda.deform_attn(v, s, i, l, a), fullgraph=True)
+    args = [leaves[k] for k in kit.ARGUMENTS]
+
+    def cfwd():
+        return op(*args)
+
+    def cboth():
+        return torch.autograd.grad(cfwd(), diff, g)
+    for _ in range(3):
+        cboth()
+    f, b = host_ms(cfwd), host_ms(cboth)
+    ef, eb = host_ms(calls(dtype)[0]), host_ms(calls(dtype)[1])
+    print(f"compiled {str(dtype)[6:]} fwd {f:.4f} fwd+grad {b:.4f} ms; eager fwd {ef:.4f} fwd+grad {eb:.4f}")
