@@ -29,10 +29,10 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     - the merged backward (``merge``): 16 head-major rows, channel blocks of at least 16 (tl.dot's least)."""
     block_d = min(triton.next_power_of_2(D), 64)
     if backward and merge:
-        return {"BLOCK_R": 16, "BLOCK_D": max(block_d, 16), "MERGE": True, "MERGE_PRECISION": "ieee"}, 4
+        return {"BLOCK_R": 16, "BLOCK_D": max(block_d, 16), "MERGE": True, "MERGE_PRECISION": "ieee", "MERGE_FORM": 0}, 4
     if backward:
         return ({"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d,
-                 "MERGE": False, "MERGE_PRECISION": "ieee"}, 4)
+                 "MERGE": False, "MERGE_PRECISION": "ieee", "MERGE_FORM": 0}, 4)
     if few_rows:
         return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
@@ -270,12 +270,35 @@ def _merge_plan(pixel, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R: tl.co
 
 
 @triton.jit
+def _merge_corner(pixel, offset, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R: tl.constexpr):
+    """(matrix, leader) for the destinations pixel[r] + offset (one corner of each row): matrix[r, s] sums row
+    s's in-map coefficients on that pixel, leader[r] says row r is the first row with an in-map corner there."""
+    delta = pixel[:, None] + offset - pixel[None, :]  # [destination row, source row]
+    hit00 = (delta == 0) & m00[None, :]
+    hit01 = (delta == 1) & m01[None, :]
+    hit10 = (delta == W) & m10[None, :]
+    hit11 = (delta == W + 1) & m11[None, :]
+    matrix = (tl.where(hit00, c00[None, :], 0.0) + tl.where(hit01, c01[None, :], 0.0)
+              + tl.where(hit10, c10[None, :], 0.0) + tl.where(hit11, c11[None, :], 0.0))
+    earlier = (hit00 | hit01 | hit10 | hit11) & (tl.arange(0, BLOCK_R)[None, :] < tl.arange(0, BLOCK_R)[:, None])
+    return matrix, tl.max(earlier.to(tl.int32), axis=1) == 0
+
+
+@triton.jit
+def _merged(matrix, g, PRECISION: tl.constexpr, BROADCAST: tl.constexpr):
+    if BROADCAST:
+        return tl.sum(matrix[:, :, None] * g[None, :, :], axis=1)
+    else:
+        return tl.dot(matrix, g, input_precision=PRECISION)
+
+
+@triton.jit
 def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad_out_ptr,
                     grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                     FIXED_POINT: tl.constexpr, MERGE: tl.constexpr = False,
-                    MERGE_PRECISION: tl.constexpr = "ieee"):
+                    MERGE_PRECISION: tl.constexpr = "ieee", MERGE_FORM: tl.constexpr = 0):
     """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
@@ -307,7 +330,17 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv10 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv11 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            if MERGE:
+            if MERGE and MERGE_FORM >= 1:
+                pixel = (p00 - start).to(tl.int32)
+                c00 = a * w00
+                c01 = a * w01
+                c10 = a * w10
+                c11 = a * w11
+                x00, l00 = _merge_corner(pixel, 0, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
+                x01, l01 = _merge_corner(pixel, 1, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
+                x10, l10 = _merge_corner(pixel, W, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
+                x11, l11 = _merge_corner(pixel, W + 1, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
+            if MERGE and MERGE_FORM == 0:
                 key, merge_matrix, leader = _merge_plan((p00 - start).to(tl.int32), m00, m01, m10, m11, a * w00,
                                                         a * w01, a * w10, a * w11, W, BLOCK_R)
                 key_base = tl.reshape(tl.broadcast_to(head_base[:, None], (BLOCK_R, 4)), (4 * BLOCK_R,))
@@ -330,7 +363,16 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 gv01 += tl.sum(g * tl.load(value_ptr + o01, mask=k01, other=0.0).to(tl.float32), axis=1)
                 gv10 += tl.sum(g * tl.load(value_ptr + o10, mask=k10, other=0.0).to(tl.float32), axis=1)
                 gv11 += tl.sum(g * tl.load(value_ptr + o11, mask=k11, other=0.0).to(tl.float32), axis=1)
-                if MERGE:
+                if MERGE and MERGE_FORM >= 1:
+                    _accumulate(grad_value_ptr, fraction_ptr, o00, _merged(x00, g, MERGE_PRECISION, MERGE_FORM == 2),
+                                k00 & l00[:, None], scale, ratio, FIXED_POINT)
+                    _accumulate(grad_value_ptr, fraction_ptr, o01, _merged(x01, g, MERGE_PRECISION, MERGE_FORM == 2),
+                                k01 & l01[:, None], scale, ratio, FIXED_POINT)
+                    _accumulate(grad_value_ptr, fraction_ptr, o10, _merged(x10, g, MERGE_PRECISION, MERGE_FORM == 2),
+                                k10 & l10[:, None], scale, ratio, FIXED_POINT)
+                    _accumulate(grad_value_ptr, fraction_ptr, o11, _merged(x11, g, MERGE_PRECISION, MERGE_FORM == 2),
+                                k11 & l11[:, None], scale, ratio, FIXED_POINT)
+                elif MERGE:
                     merged = tl.dot(merge_matrix, g, input_precision=MERGE_PRECISION)  # [4 * BLOCK_R, BLOCK_D]
                     _accumulate(grad_value_ptr, fraction_ptr, key_base[:, None] + d[None, :], merged,
                                 leader[:, None] & d_ok[None, :], scale, ratio, FIXED_POINT)
