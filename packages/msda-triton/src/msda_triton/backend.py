@@ -195,8 +195,7 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
                     grad_value, grad_locations, grad_weights, fixed_point=None, config=None):
     """Run backward_kernel on contiguous tensors; grad_value must be zeroed (it is accumulated into).
     With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
-    maxima from fixed_point_maxima. ``config`` overrides kernels.launch_config (its MERGE picks the merged
-    scatter)."""
+    maxima from fixed_point_maxima."""
     fraction, maxima = fixed_point or (None, (None, None, None))
     pointers = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output,
                 grad_value, fraction, grad_locations, grad_weights, *maxima)
@@ -205,9 +204,7 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     sizes = _sizes(value, sampling_locations)
     blocks, num_warps = config or kernels.launch_config(
         sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
-    row_blocks = (triton.cdiv(sizes[1], blocks["BLOCK_R"]) * value.shape[0] * sizes[3] if blocks["MERGE"]
-                  else triton.cdiv(sizes[0], blocks["BLOCK_R"]))  # merged: head-major blocks
-    _launch(kernels.backward_kernel, (row_blocks,), pointers, sizes,
+    _launch(kernels.backward_kernel, (triton.cdiv(sizes[0], blocks["BLOCK_R"]),), pointers, sizes,
             {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps, remember=config is None)
 
 

@@ -1,7 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
 (the forward under each of launch_config's rules x int32/int64 offsets and the backward x
-native/fp32/fixed-point accumulation x the atomic or merged scatter, x fp32/fp16/bf16, and the deterministic
-mode's two helper kernels).
+native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -14,7 +13,6 @@ integers, so the PTX is the one that runs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import re
 import sys
 from collections import Counter
@@ -45,16 +43,16 @@ def _variants():
                 yield (f"forward {dtype} {rule} {width}", kernels.forward_kernel,
                        {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
                        blocks | {"WIDE": wide}, num_warps)
-        for (accum, accumulator), merge in itertools.product(ACCUMULATORS.items(), (False, True)):
+        for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
             blocks, num_warps = kernels.launch_config(
-                INTS["D"], backward=True, half_atomics=(accumulator or dtype) != "fp32", merge=merge)
+                INTS["D"], backward=True, half_atomics=(accumulator or dtype) != "fp32")
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
-            yield (f"backward {dtype} {accum}{' merged' if merge else ''}", kernels.backward_kernel, pointers,
+            yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
                    blocks | {"FIXED_POINT": fixed_point}
                    | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,

@@ -17,7 +17,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
 def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bool = False,
-                  half_atomics: bool = False, merge: bool = False) -> tuple:
+                  half_atomics: bool = False) -> tuple:
     """(the kernel's block constexprs, num_warps). The channel block covers D up to 64; the backward loops over
     channel blocks. Chosen by timing CUDA-graph replays on the H200 (``python -m msda_triton.tune``; the figures
     are in BENCHMARKS.md, "Launch rules"):
@@ -25,15 +25,10 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
       each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
     - backward with fp32 atomic adds: 16 rows on 4 warps;
-    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program;
-    - the merged backward (``merge``): 16 head-major rows, channel blocks of at least 16 (tl.dot's least)."""
+    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
     block_d = min(triton.next_power_of_2(D), 64)
-    if backward and merge:
-        return {"BLOCK_R": 16, "BLOCK_D": max(block_d, 16), "MERGE": True, "MERGE_PRECISION": "ieee", "MERGE_FORM": 0, "WIN_X": 16, "WIN_Y": 8}, 4
     if backward:
-        return ({"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d,
-                 "MERGE": False, "MERGE_PRECISION": "ieee", "MERGE_FORM": 0, "WIN_X": 16,
-                 "WIN_Y": 8}, 4)
+        return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
     if few_rows:
         return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
@@ -247,69 +242,17 @@ def fixed_point_finish_kernel(whole_ptr, fraction_ptr, weight_max_ptr, grad_max_
 
 
 @triton.jit
-def _merge_plan(pixel, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R: tl.constexpr):
-    """How a block's corner contributions at one (level, point) merge per pixel: (key, matrix, leader) over the
-    4 * BLOCK_R candidates i = 4 * r + corner (corners 00, 01, 10, 11 of row r, at pixel + 0, 1, W, W + 1 of
-    the level, masks m, coefficients c = a * w). key[i] is candidate i's pixel; matrix[i, r] sums row r's
-    in-map coefficients on pixel key[i], so tl.dot(matrix, g) is every contribution to that pixel; leader[i]
-    marks the first in-map candidate of each pixel, the one that adds the sum. A row's in-map corners are
-    distinct pixels (for W = 1, corners 01 and 10 share an index but never both lie in the map)."""
-    corner = tl.arange(0, 4)[None, :]
-    key = tl.reshape(pixel[:, None] + (corner % 2) + (corner // 2) * W, (4 * BLOCK_R,))
-    ok = tl.reshape(tl.where(corner == 0, m00[:, None], tl.where(corner == 1, m01[:, None], tl.where(
-        corner == 2, m10[:, None], m11[:, None]))), (4 * BLOCK_R,))
-    delta = key[:, None] - pixel[None, :]  # [candidate, row]
-    hit00 = (delta == 0) & m00[None, :]
-    hit01 = (delta == 1) & m01[None, :]
-    hit10 = (delta == W) & m10[None, :]
-    hit11 = (delta == W + 1) & m11[None, :]
-    matrix = (tl.where(hit00, c00[None, :], 0.0) + tl.where(hit01, c01[None, :], 0.0)
-              + tl.where(hit10, c10[None, :], 0.0) + tl.where(hit11, c11[None, :], 0.0))
-    earlier_row = tl.arange(0, BLOCK_R)[None, :] < (tl.arange(0, 4 * BLOCK_R) // 4)[:, None]
-    earlier = (hit00 | hit01 | hit10 | hit11) & earlier_row
-    return key, matrix, ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
-
-
-@triton.jit
-def _merge_corner(pixel, offset, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R: tl.constexpr):
-    """(matrix, leader) for the destinations pixel[r] + offset (one corner of each row): matrix[r, s] sums row
-    s's in-map coefficients on that pixel, leader[r] says row r is the first row with an in-map corner there."""
-    delta = pixel[:, None] + offset - pixel[None, :]  # [destination row, source row]
-    hit00 = (delta == 0) & m00[None, :]
-    hit01 = (delta == 1) & m01[None, :]
-    hit10 = (delta == W) & m10[None, :]
-    hit11 = (delta == W + 1) & m11[None, :]
-    matrix = (tl.where(hit00, c00[None, :], 0.0) + tl.where(hit01, c01[None, :], 0.0)
-              + tl.where(hit10, c10[None, :], 0.0) + tl.where(hit11, c11[None, :], 0.0))
-    earlier = (hit00 | hit01 | hit10 | hit11) & (tl.arange(0, BLOCK_R)[None, :] < tl.arange(0, BLOCK_R)[:, None])
-    return matrix, tl.max(earlier.to(tl.int32), axis=1) == 0
-
-
-@triton.jit
-def _merged(matrix, g, PRECISION: tl.constexpr, BROADCAST: tl.constexpr):
-    if BROADCAST:
-        return tl.sum(matrix[:, :, None] * g[None, :, :], axis=1)
-    else:
-        return tl.dot(matrix, g, input_precision=PRECISION)
-
-
-@triton.jit
 def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad_out_ptr,
                     grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FIXED_POINT: tl.constexpr, MERGE: tl.constexpr = False,
-                    MERGE_PRECISION: tl.constexpr = "ieee", MERGE_FORM: tl.constexpr = 0,
-                    WIN_X: tl.constexpr = 16, WIN_Y: tl.constexpr = 8):
+                    FIXED_POINT: tl.constexpr):
     """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
-    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr).
-    MERGE (the merged scatter; its tl.dot at MERGE_PRECISION): head-major blocks of BLOCK_R queries of one head; at
-    each (level, point) the block's 4 * BLOCK_R corner contributions are summed per pixel on chip
-    (_merge_plan) and each distinct pixel receives one atomic add."""
-    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=MERGE, WIDE=True)
+    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
+    rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
     scale = 1.0
@@ -332,44 +275,6 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             gv01 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv10 = tl.zeros((BLOCK_R,), dtype=tl.float32)
             gv11 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            if MERGE and (MERGE_FORM == 1 or MERGE_FORM == 2):
-                pixel = (p00 - start).to(tl.int32)
-                c00 = a * w00
-                c01 = a * w01
-                c10 = a * w10
-                c11 = a * w11
-                x00, l00 = _merge_corner(pixel, 0, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
-                x01, l01 = _merge_corner(pixel, 1, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
-                x10, l10 = _merge_corner(pixel, W, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
-                x11, l11 = _merge_corner(pixel, W + 1, m00, m01, m10, m11, c00, c01, c10, c11, W, BLOCK_R)
-            if MERGE and MERGE_FORM == 3:  # a WIN_Y x WIN_X window of the level at the block's samples
-                x0 = tl.floor(loc_x * W.to(tl.float32) - 0.5).to(tl.int32)
-                y0 = tl.floor(loc_y * H.to(tl.float32) - 0.5).to(tl.int32)
-                whole = m00 & m01 & m10 & m11
-                ox = tl.min(tl.where(whole, x0, 2 ** 30), axis=0)
-                oy = tl.min(tl.where(whole, y0, 2 ** 30), axis=0)
-                du = x0 - ox
-                dv = y0 - oy
-                inside = whole & (du < WIN_X - 1) & (dv < WIN_Y - 1)
-                u = tl.arange(0, WIN_X)[:, None]
-                v = tl.arange(0, WIN_Y)[:, None]
-                ax = tl.where(inside, a, 0.0)
-                wx = (tl.where(u == du[None, :], ((1.0 - fx) * ax)[None, :], 0.0)
-                      + tl.where(u == du[None, :] + 1, (fx * ax)[None, :], 0.0))
-                wy = tl.where(v == dv[None, :], (1.0 - fy)[None, :], 0.0) + tl.where(v == dv[None, :] + 1, fy[None, :], 0.0)
-                window = tl.reshape(wy[:, None, :] * wx[None, :, :], (WIN_Y * WIN_X, BLOCK_R))
-                cell = tl.arange(0, WIN_Y * WIN_X)
-                cell_x = ox + cell % WIN_X
-                cell_y = oy + cell // WIN_X
-                cell_pixel = start + cell_y * W + cell_x
-                cell_ok = (cell_x < W) & (cell_y < H) & (cell_pixel >= 0) & (cell_pixel < S)
-                cell_base = tl.min(head_base, axis=0) + cell_pixel * pixel_stride
-                outside = (~inside)[:, None]
-            if MERGE and MERGE_FORM == 0:
-                key, merge_matrix, leader = _merge_plan((p00 - start).to(tl.int32), m00, m01, m10, m11, a * w00,
-                                                        a * w01, a * w10, a * w11, W, BLOCK_R)
-                key_base = tl.reshape(tl.broadcast_to(head_base[:, None], (BLOCK_R, 4)), (4 * BLOCK_R,))
-                key_base += (start + key) * pixel_stride
             for d0 in range(0, D, BLOCK_D):
                 d = d0 + tl.arange(0, BLOCK_D)
                 d_ok = d < D
@@ -388,40 +293,10 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                 gv01 += tl.sum(g * tl.load(value_ptr + o01, mask=k01, other=0.0).to(tl.float32), axis=1)
                 gv10 += tl.sum(g * tl.load(value_ptr + o10, mask=k10, other=0.0).to(tl.float32), axis=1)
                 gv11 += tl.sum(g * tl.load(value_ptr + o11, mask=k11, other=0.0).to(tl.float32), axis=1)
-                if MERGE and (MERGE_FORM == 1 or MERGE_FORM == 2):
-                    _accumulate(grad_value_ptr, fraction_ptr, o00, _merged(x00, g, MERGE_PRECISION, MERGE_FORM == 2),
-                                k00 & l00[:, None], scale, ratio, FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o01, _merged(x01, g, MERGE_PRECISION, MERGE_FORM == 2),
-                                k01 & l01[:, None], scale, ratio, FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o10, _merged(x10, g, MERGE_PRECISION, MERGE_FORM == 2),
-                                k10 & l10[:, None], scale, ratio, FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o11, _merged(x11, g, MERGE_PRECISION, MERGE_FORM == 2),
-                                k11 & l11[:, None], scale, ratio, FIXED_POINT)
-                elif MERGE and MERGE_FORM == 3:
-                    merged = tl.dot(window, g, input_precision=MERGE_PRECISION)
-                    _accumulate(grad_value_ptr, fraction_ptr, cell_base[:, None] + d[None, :], merged,
-                                cell_ok[:, None] & (merged != 0.0) & d_ok[None, :], scale, ratio, FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00 & outside, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01 & outside, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10 & outside, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11 & outside, scale, ratio,
-                                FIXED_POINT)
-                elif MERGE:
-                    merged = tl.dot(merge_matrix, g, input_precision=MERGE_PRECISION)  # [4 * BLOCK_R, BLOCK_D]
-                    _accumulate(grad_value_ptr, fraction_ptr, key_base[:, None] + d[None, :], merged,
-                                leader[:, None] & d_ok[None, :], scale, ratio, FIXED_POINT)
-                else:
-                    _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio,
-                                FIXED_POINT)
-                    _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio,
-                                FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o00, (a * w00)[:, None] * g, k00, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o01, (a * w01)[:, None] * g, k01, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o10, (a * w10)[:, None] * g, k10, scale, ratio, FIXED_POINT)
+                _accumulate(grad_value_ptr, fraction_ptr, o11, (a * w11)[:, None] * g, k11, scale, ratio, FIXED_POINT)
             grad_a = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
             grad_x = a * W.to(tl.float32) * ((1.0 - fy) * (gv01 - gv00) + fy * (gv11 - gv10))  # chain rule of loc * W
             grad_y = a * H.to(tl.float32) * ((1.0 - fx) * (gv10 - gv00) + fx * (gv11 - gv01))
