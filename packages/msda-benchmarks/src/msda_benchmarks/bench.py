@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.bench``: forward and backward times of every available backend.
+"""``python -m msda_benchmarks.bench``: forward and backward times of every available backend.
 
 On the GPU, for each backend, dtype, case and location distribution (model-like first, then uniform): the
 median forward time and backward time (forward+backward minus forward, through autograd as users call it,
@@ -24,11 +24,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 import msda_core
 import torch
-import torch.nn.functional as F
+from msda_testkit import cli
+from msda_testkit.cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
+from msda_testkit.mmcv_formulation import mmcv_pytorch
 from tabulate import tabulate
-
-from . import cli
-from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md ("Peers"), so they compare.
@@ -201,7 +200,7 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.bench", __doc__)
+    parser = cli.parser("msda_benchmarks.bench", __doc__)
     cli.add_device(parser)
     parser.add_argument("--backends", nargs="*",
                         help="GPU: the backends to time (default: every backend that auto may choose on the device)")
@@ -254,25 +253,6 @@ def main(argv=None) -> int:
     cli.write_results(args.json, env, rows)
     _plot(rows, args.plot)
     return 0
-
-
-def mmcv_pytorch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """mmcv's PyTorch formulation (``multi_scale_deformable_attn_pytorch``), the CPU baseline: each level of
-    value laid out as (B*M, D, H, W) and sampled with one F.grid_sample at 2 * loc - 1; level_start_index
-    unused, as there (the levels follow each other)."""
-    B, _, M, D = value.shape
-    _, Q, _, L, P, _ = sampling_locations.shape
-    shapes = spatial_shapes.tolist()
-    levels = value.split([h * w for h, w in shapes], dim=1)
-    grids = 2 * sampling_locations - 1
-    samples = []
-    for level, (h, w) in enumerate(shapes):
-        value_l = levels[level].flatten(2).transpose(1, 2).reshape(B * M, D, h, w)
-        grid_l = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)  # (B*M, Q, P, 2)
-        samples.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
-    weights = attention_weights.transpose(1, 2).reshape(B * M, 1, Q, L * P)
-    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1)  # (B*M, D, Q)
-    return out.view(B, M * D, Q).transpose(1, 2).contiguous()
 
 
 CPU_IMPLEMENTATIONS = {

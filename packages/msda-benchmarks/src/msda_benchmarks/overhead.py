@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.overhead``: host cost per call of the op, against what torch itself costs.
+"""``python -m msda_benchmarks.overhead``: host cost per call of the op, against what torch itself costs.
 
 Times forward and forward + ``torch.autograd.grad`` on decoder-sized inputs for layers of the same call: a bare
 ``torch.autograd.Function``; a public CompositeImplicitAutograd ``torch.library`` op with msda's schema whose kernel
@@ -7,7 +7,7 @@ validation and selection) and with a no-op opaque backend (adds the private cust
 called alone; and msda's op with the real backend. The differences say where a small call's time goes.
 
 Two measures: the host's time per call (a loop of calls, then one synchronize), and on CUDA the bench's own "called"
-figures (msda_testkit.bench: medians of triton.testing.do_bench, backward = forward+grad less forward). do_bench
+figures (msda_benchmarks.bench: medians of triton.testing.do_bench, backward = forward+grad less forward). do_bench
 zeroes a 256 MB buffer before each call and the host's work overlaps that fill, so the bench's figures sit below the
 host's time by up to the fill's duration.
 """
@@ -19,11 +19,11 @@ import time
 import msda_core
 import torch
 from msda_core import op
+from msda_testkit import cli
+from msda_testkit.cases import ARGUMENTS, case, grad_output_for, make_inputs
 from tabulate import tabulate
 
-from . import cli
 from .bench import median_ms
-from .cases import ARGUMENTS, case, grad_output_for, make_inputs
 
 
 def _outputs_like(value, loc, weights):
@@ -71,7 +71,7 @@ def _per_call_ms(fn, device, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.overhead", __doc__)
+    parser = cli.parser("msda_benchmarks.overhead", __doc__)
     cli.add_device(parser)
     parser.add_argument("--backend", default="auto", help="the real backend (auto: what the op chooses)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="value's dtype")

@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.peers``: msda's op against other implementations installed beside it (GPU).
+"""``python -m msda_benchmarks.peers``: msda's op against other implementations installed beside it (GPU).
 
 The bench's inputs (GPU_CASES, in each location distribution) and timing: called from Python, the median of
 triton's do_bench, and replayed from a CUDA graph (None where a call cannot be captured); backward =
@@ -14,9 +14,10 @@ import json
 import statistics
 
 import torch
+from msda_testkit import cli
+from msda_testkit.cases import ARGUMENTS, grad_output_for, make_inputs
 from tabulate import tabulate
 
-from . import cli
 from .bench import (
     DTYPES,
     GPU_CASES,
@@ -29,7 +30,6 @@ from .bench import (
     with_backward,
     with_layout,
 )
-from .cases import ARGUMENTS, grad_output_for, make_inputs
 
 PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
 
@@ -45,7 +45,7 @@ def _installed_peers() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.peers", __doc__)
+    parser = cli.parser("msda_benchmarks.peers", __doc__)
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
                         help="location distributions, as the bench's")

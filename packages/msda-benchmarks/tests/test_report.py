@@ -4,7 +4,7 @@ that cannot run here is one line under the table, its reason whole."""
 import dataclasses
 
 import msda_core
-from msda_testkit import report
+from msda_benchmarks import report
 from msda_testkit.cases import case
 
 

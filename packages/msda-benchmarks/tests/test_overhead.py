@@ -1,7 +1,7 @@
 """The host-overhead tool runs on CPU and leaves the registry and the op namespace as it found them."""
 
 import msda_core
-from msda_testkit import overhead
+from msda_benchmarks import overhead
 
 
 def test_overhead_measures_every_layer_and_cleans_up(capsys):

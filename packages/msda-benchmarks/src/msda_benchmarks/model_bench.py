@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.model_bench``: training steps of transformers' Deformable DETR, per attention path (GPU).
+"""``python -m msda_benchmarks.model_bench``: training steps of transformers' Deformable DETR, per attention path (GPU).
 
 The model is built from a ``DeformableDetrConfig`` with random weights and nothing fetched: transformers' own
 ResNet-50 backbone config (``use_timm_backbone=False``, ``use_pretrained_backbone=False``). Batch 2 at 3x800x1333
@@ -23,9 +23,9 @@ import time
 
 import msda_core
 import torch
+from msda_testkit import cli
 from tabulate import tabulate
 
-from . import cli
 from .bench import environment
 
 SIZES = ("800x1333", "512x683")
@@ -156,7 +156,7 @@ def measure(path: str, size: str, precision: str, mode: str, args, device) -> di
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.model_bench", __doc__)
+    parser = cli.parser("msda_benchmarks.model_bench", __doc__)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny to check the script")
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE}, to check the script")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="images, HxW")

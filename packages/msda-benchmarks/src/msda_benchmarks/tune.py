@@ -1,4 +1,4 @@
-"""``python -m msda_triton.tune``: time the kernels over block shapes and warps on one case (GPU).
+"""``python -m msda_benchmarks.tune``: time the kernels over block shapes and warps on one case (GPU).
 
 A measuring tool for choosing kernels.launch_config, not part of the op: each configuration is timed by
 replaying a CUDA graph of the bare kernel launch (no host overhead), median of triton.testing's runs.
@@ -11,16 +11,12 @@ import dataclasses
 import itertools
 
 import msda_core
+import msda_testkit as kit
 import torch
 import triton.testing
+from msda_triton.backend import launch_backward, launch_forward
+from msda_triton.kernels import launch_config
 from tabulate import tabulate
-
-try:
-    import msda_testkit as kit
-except ImportError as err:  # an optional dependency: the tool's inputs and cases
-    raise SystemExit("python -m msda_triton.tune needs msda-testkit: pip install 'msda-triton[tune]'") from err
-from .backend import launch_backward, launch_forward
-from .kernels import launch_config
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,8 +1,8 @@
-"""``python -m msda_testkit.report``: every available backend on the standard and edge cases, one table.
+"""``python -m msda_benchmarks.report``: every available backend on the standard and edge cases, one table.
 
 Errors are against float64 (the naive loops where they can run, else grid_sample) on the same inputs
 upcast. Times are wall-clock medians after a warm-up call, host overhead included: for orientation only
-(``msda_testkit.bench`` measures speed). On a CPU-only machine the encoder-size cases are replaced by the
+(``msda_benchmarks.bench`` measures speed). On a CPU-only machine the encoder-size cases are replaced by the
 small ones. The table prints row by row as it runs; what a backend cannot run is listed under it, once per
 reason.
 """
@@ -15,10 +15,9 @@ import time
 
 import msda_core
 import torch
-
-from . import cli
-from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
-from .parity import compare_results, grad_value_effect, reference, run
+from msda_testkit import cli
+from msda_testkit.cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
+from msda_testkit.parity import compare_results, grad_value_effect, reference, run
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COLUMNS = (("case", 24), ("dtype", 9), ("backend", 23), ("fwd ms", 9), ("bwd ms", 9), ("against float64", 0))
@@ -133,7 +132,7 @@ def skip_lines(skipped: dict, cases: list, width: int = 110) -> list:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.report", __doc__)
+    parser = cli.parser("msda_benchmarks.report", __doc__)
     cli.add_device(parser)
     parser.add_argument("--repeats", type=int, default=3,
                         help="the fewest timed calls per figure, after the warm-up (short calls: 0.05 s of them)")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from msda_testkit import model_bench
+from msda_benchmarks import model_bench
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,43 @@
+"""The timing tools: --help names the command to type and shows no reST, every option says
+what it does and its default, and a CUDA device that is not there ends in one line, not a traceback."""
+
+import pytest
+import torch
+from msda_benchmarks import bench, deploy, locality, model_bench, overhead, peers, report
+from msda_testkit import cli
+
+TOOLS = {"report": report, "bench": bench, "peers": peers, "overhead": overhead, "deploy": deploy,
+         "model_bench": model_bench, "locality": locality}
+real_parser = cli.parser
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
+    made = []
+    monkeypatch.setattr(cli, "parser", lambda *args: made.append(real_parser(*args)) or made[-1])
+    with pytest.raises(SystemExit) as exit_:
+        TOOLS[name].main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m msda_benchmarks.{name} ") and "``" not in text
+    (parser,) = made
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False, "==SUPPRESS=="):  # a flag, or an option whose absence is explained
+            assert "(default: " in formatter._get_help_string(action), action.option_strings
+
+
+@pytest.mark.parametrize("name", ["report", "bench", "overhead", "deploy"])
+def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        TOOLS[name].main(["--device", "cuda"])
+    message = str(exit_.value.code)
+    assert message.startswith(f"python -m msda_benchmarks.{name}: --device cuda: no CUDA device here")
+    assert "\n" not in message
+
+
+def test_a_device_torch_does_not_know_is_one_line():
+    with pytest.raises(SystemExit, match="--device gpu0: not a device torch knows"):
+        report.main(["--device", "gpu0"])
