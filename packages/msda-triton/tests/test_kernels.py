@@ -11,37 +11,11 @@ import msda_testkit as kit
 import pytest
 import torch
 import triton
+from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
-REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-# (value dtype, location/weight dtype, grad_accum)
-VARIANTS = [(F32, F32, "native"), (F32, F32, "fp32"), (F16, F16, "native"), (F16, F16, "fp32"),
-            (BF16, BF16, "fp32"), (BF16, BF16, "native"), (F16, F32, "native"), (BF16, F32, "auto")]
-
-
-def _id(variant):
-    dtype, loc_dtype, acc = variant
-    name = str(dtype)[6:] + ("" if loc_dtype == dtype else "-" + str(loc_dtype)[6:] + "-locations")
-    return f"{name}-{acc}"
-
-
-def assert_triton_parity(inputs, grad_accum, deterministic=False):
-    """grad_value is judged by the entry of the path that ran ("auto" resolved as the backend does)."""
-    in_fp32 = accumulates_in_fp32(inputs["value"].dtype, grad_accum)
-    grad_output = kit.grad_output_for(inputs)
-    actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum, deterministic=deterministic)
-    expected = kit.reference(inputs, backend=REFERENCE)
-    effect = kit.grad_value_effect("triton", inputs, "fp32" if in_fp32 else "native", deterministic)
-    results = kit.compare_results(inputs, actual, expected, grad_value_effect=effect)
-    if any(not r.passed for r in results):
-        raise AssertionError("\n".join(str(r) for r in results))
-    return results
-
-
 def _skip_unsupported(dtype, grad_accum):
     if DEVICE == "cpu" and dtype == BF16 and grad_accum == "native":
         pytest.skip("Triton's interpreter has no bf16 atomic add (covered on the GPU)")
@@ -116,10 +90,6 @@ def test_forward_is_deterministic():
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
     kit.assert_replays_bit_exact(lambda **inp: kit.run(inp, "triton")["output"], inputs, replays=5,
                                  contention=True)
-
-
-# many queries on one 2x2 map: hundreds of atomic adds land on each element of grad_value
-CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
 
 
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32)],
