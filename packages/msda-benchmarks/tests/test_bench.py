@@ -32,7 +32,7 @@ def test_cpu_comparison_times_both_and_writes_json(tmp_path):
     bench.CPU_CASES, saved = tiny, bench.CPU_CASES
     try:
         assert bench.main(["--device", "cpu", "--layouts", "model_like", "--rounds", "2", "--threads", "1",
-                           "--json", str(path)]) == 0
+                           "--seconds", "0.1", "--json", str(path)]) == 0
     finally:
         bench.CPU_CASES = saved
     rows = json.loads(path.read_text())["rows"]

@@ -14,8 +14,6 @@ host's time by up to the fill's duration.
 
 from __future__ import annotations
 
-import time
-
 import msda_core
 import torch
 from msda_core import op
@@ -23,7 +21,7 @@ from msda_testkit import cli
 from msda_testkit.cases import ARGUMENTS, case, grad_output_for, make_inputs
 from tabulate import tabulate
 
-from .bench import median_ms
+from .timing import loop_ms, median_ms
 
 
 def _outputs_like(value, loc, weights):
@@ -55,19 +53,6 @@ def _noop_backend(name, device, dtype, traceable):
         name, forward=lambda v, s, st, l, w: v.new_empty(msda_core.output_shape(v, l)),
         backward=lambda g, v, s, st, l, w, accum, det: _outputs_like(v, l, w),
         devices=frozenset({device.type}), dtypes=frozenset({dtype}), traceable=traceable)
-
-
-def _per_call_ms(fn, device, calls: int) -> float:
-    for _ in range(max(1, calls // 20)):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main(argv=None) -> int:
@@ -106,11 +91,11 @@ def main(argv=None) -> int:
         for name, forward in layers.items():
             differentiable = "forward alone" not in name
             forward_backward = lambda: torch.autograd.grad(forward(), leaves, grad_output)  # noqa: E731
-            row = [name, _per_call_ms(forward, device, args.calls),
-                   _per_call_ms(forward_backward, device, args.calls) if differentiable else None]
+            row = [name, loop_ms(forward, args.calls),
+                   loop_ms(forward_backward, args.calls) if differentiable else None]
             if device.type == "cuda":
-                fwd = median_ms(forward, device, 0)
-                row += [fwd, median_ms(forward_backward, device, 0) - fwd if differentiable else None]
+                fwd = median_ms(forward, device)
+                row += [fwd, median_ms(forward_backward, device) - fwd if differentiable else None]
             rows.append(row)
     finally:
         for name in ("overhead_traceable", "overhead_opaque"):

@@ -24,12 +24,11 @@ from .bench import (
     LAYOUTS,
     backward_ms,
     environment,
-    graph_ms,
-    median_ms,
     training_leaves,
     with_backward,
     with_layout,
 )
+from .timing import graph_ms, median_ms
 
 PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
 
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, fn in calls.items():
                     both = both_calls[name]
-                    for key, ms in (("fwd", median_ms(fn, device, 1)), ("both", median_ms(both, device, 1)),
+                    for key, ms in (("fwd", median_ms(fn, device)), ("both", median_ms(both, device)),
                                     ("fwd_graph", graph_ms(fn)), ("both_graph", graph_ms(both))):
                         times[name][key].append(ms)
             for name, fn in calls.items():
