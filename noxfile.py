@@ -13,7 +13,8 @@
 - report, bench: every backend on every case (errors and times), and the timing tables (msda-benchmarks).
 - integrations: msda_core.patch on real transformers and ultralytics models (needs torch 2.14.1 and torchvision).
 
-MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
+MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here). The sessions
+run on the Python that runs nox: CI's is 3.11, the one version the packages claim (requires-python >=3.11).
 """
 
 import glob
@@ -38,7 +39,7 @@ def install_ours(session, *packages):
 
 def build_wheels(session) -> dict:
     """package name -> the path of its wheel, built from the tree with no network."""
-    session.install("setuptools>=70.1")
+    session.install("setuptools>=77")
     folder = os.path.join(session.create_tmp(), "wheels")
     for path in glob.glob(os.path.join(folder, "*.whl")):
         os.remove(path)
@@ -90,7 +91,7 @@ def cpu(session):
 @nox.session
 @nox.parametrize("triton", [LOWEST_TRITON, "newest"])
 def compile_ptx(session, triton):
-    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=70.1")
+    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=77")
     install_ours(session, "msda-triton")
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
 
@@ -131,14 +132,14 @@ def distributed(session):
 
 @nox.session
 def report(session):
-    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton")
+    session.install(TORCH, "setuptools>=77", "tabulate", "triton")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_benchmarks.report", *session.posargs)
 
 
 @nox.session
 def bench(session):
-    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton", "matplotlib")
+    session.install(TORCH, "setuptools>=77", "tabulate", "triton", "matplotlib")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_benchmarks.bench", *session.posargs)
     session.run("python", "-m", "msda_benchmarks.overhead", "--calls", "500")  # the host floor, from the same run
@@ -154,6 +155,6 @@ def integrations(session):
     """msda_core.patch on real transformers and ultralytics models, float64 on the CPU (integrations/); its GPU test
     skips without CUDA."""
     session.install(*INTEGRATIONS_TORCH)
-    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=70.1", "onnxscript", "onnxruntime")
+    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=77", "onnxscript", "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
     session.run("pytest", "-q", "-rs", "integrations", *session.posargs)
