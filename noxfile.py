@@ -1,6 +1,6 @@
 """Sessions. CI (.ci/run) runs lint, packages, cpu and compile_ptx; the rest need a GPU machine or an explicit call.
 
-- lint: ruff on the whole tree (ruff.toml).
+- lint: ruff on the whole tree (ruff.toml); mypy on msda-core and msda-reference (mypy.ini).
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
 - cpu: each package installed from its wheel with its declared dependencies (its [test] extra included) and its
   own tests run: msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
@@ -50,8 +50,11 @@ def build_wheels(session) -> dict:
 
 @nox.session
 def lint(session):
-    session.install("ruff==0.17.6")
+    """ruff (ruff.toml), then mypy on msda-core and msda-reference (mypy.ini) against the torch the cpu session
+    tests."""
+    session.install("ruff==0.17.6", "mypy==2.4.1", TORCH)
     session.run("ruff", "check", ".")
+    session.run("mypy")
 
 
 @nox.session

@@ -26,6 +26,7 @@ import dis
 import inspect
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ _CORE_ATTRIBUTE = "ms_deformable_attn_core"  # D-FINE's and DEIMv2's per-instanc
 # Patched model -> its report. Nothing is stored on the model, so it still pickles and deep-copies (a deep copy
 # runs patched but is not registered: unpatch applies to the original); the report holds the model weakly, and a
 # model collected while patched releases its globals.
-_reports = weakref.WeakKeyDictionary()
+_reports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Counted:
@@ -129,7 +130,7 @@ class Patched:
     name: str  # the module's qualified name in the model ("" is the model itself)
     cls: str  # module path and class of the module msda now serves
     mechanism: str
-    replacement: object = field(repr=False, compare=False)  # counts its calls
+    replacement: Any = field(repr=False, compare=False)  # counts its calls: a _Counted or an msda module
 
     @property
     def calls(self) -> int:
@@ -175,7 +176,7 @@ class PatchReport:
         lines += [f"  left alone {e.name or '<model>'} ({e.cls}): {e.reason}" for e in self.left_alone]
         return "\n".join(lines)
 
-    def __enter__(self) -> "PatchReport":
+    def __enter__(self) -> PatchReport:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,9 +15,10 @@ import contextlib
 import contextvars
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -46,7 +47,7 @@ class Inputs(NamedTuple):
 
     @classmethod
     def of(cls, value: torch.Tensor, sampling_locations: torch.Tensor, grad_accum: str = "auto",
-           deterministic: bool = False) -> "Inputs":
+           deterministic: bool = False) -> Inputs:
         B, Q, M, L, P, _ = sampling_locations.shape
         return cls(value.device, value.dtype, sampling_locations.dtype, B, Q, M, value.shape[3], L, P, grad_accum,
                    deterministic)
