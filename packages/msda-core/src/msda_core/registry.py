@@ -176,11 +176,6 @@ def request(backend: str = "auto") -> Request:
     return Request(from_env, f"the {ENV_VAR} environment variable") if from_env != "auto" else Request("auto", "")
 
 
-def requested(backend: str = "auto") -> str:
-    """The backend name a call asks for, after the scope and the environment variable are applied."""
-    return request(backend).name
-
-
 def _candidates_report(rows: list) -> str:
     return "\n".join(f"  {name}: {reason}" for name, reason in rows)
 
