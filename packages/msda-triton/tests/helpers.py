@@ -3,7 +3,6 @@ case and the parity check against float64."""
 
 import msda_testkit as kit
 import torch
-from msda_triton.backend import accumulates_in_fp32
 from triton_env import DEVICE
 
 REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
@@ -21,16 +20,8 @@ def _id(variant):
 
 
 def assert_triton_parity(inputs, grad_accum, deterministic=False):
-    """grad_value is judged by the entry of the path that ran ("auto" resolved as the backend does)."""
-    in_fp32 = accumulates_in_fp32(inputs["value"].dtype, grad_accum)
-    grad_output = kit.grad_output_for(inputs)
-    actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum, deterministic=deterministic)
-    expected = kit.reference(inputs, backend=REFERENCE)
-    effect = kit.grad_value_effect("triton", inputs, "fp32" if in_fp32 else "native", deterministic)
-    results = kit.compare_results(inputs, actual, expected, grad_value_effect=effect)
-    if any(not r.passed for r in results):
-        raise AssertionError("\n".join(str(r) for r in results))
-    return results
+    """The Triton backend against float64 (kit.assert_parity: grad_value judged by the entry of the path that ran)."""
+    return kit.assert_parity(inputs, "triton", REFERENCE, grad_accum=grad_accum, deterministic=deterministic)
 
 
 # many queries on one 2x2 map: hundreds of atomic adds land on each element of grad_value

@@ -16,7 +16,7 @@ import msda_core
 import torch
 from msda_testkit import cli
 from msda_testkit.cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
-from msda_testkit.parity import compare_results, grad_value_effect, reference, run
+from msda_testkit.parity import check_parity, reference, run
 
 from .timing import host_ms
 
@@ -79,9 +79,7 @@ def rows_for(case, dtype, device, seconds: float, skipped: dict) -> list:
             kwargs = {"grad_accum": grad_accum, "deterministic": deterministic}
             fwd = host_ms(lambda: run(inputs, name, **kwargs), seconds)
             both = host_ms(lambda: run(inputs, name, grad_output, **kwargs), seconds)
-            actual = run(inputs, name, grad_output, **kwargs)
-            effect = grad_value_effect(name, inputs, grad_accum, deterministic)
-            results = compare_results(inputs, actual, expected, grad_value_effect=effect)
+            results = check_parity(inputs, name, expected=expected, **kwargs)
             worst = max(results, key=lambda r: r.max_rel_err)
             failed = [r.name for r in results if not r.passed]
             verdict = "FAIL: " + ", ".join(failed) if failed else "ok"

@@ -25,8 +25,8 @@ import torch
 from tabulate import tabulate
 
 from . import cli
-from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, Case, grad_output_for, make_inputs, upcast
-from .parity import compare_results, grad_value_effect, run
+from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, Case, grad_output_for, make_inputs
+from .parity import check_parity, run
 from .replay import assert_replays_bit_exact
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -75,17 +75,9 @@ class Stage:
 
 
 def _compare(stage, label, inputs, backend, grad_output=None, nonfinite_kind_matters=True, **op_kwargs):
-    """One parity check against grid_sample in float64 (grad_value judged as grad_value_effect says).
-    ``nonfinite_kind_matters=False`` (inf inputs): results must be non-finite exactly where the
-    reference's are, NaN or inf alike (inf * 0 terms make NaN of an inf in one summation order)."""
-    grad_output = grad_output_for(inputs) if grad_output is None else grad_output
-    actual = run(inputs, backend, grad_output, **op_kwargs)
-    expected = run(upcast(inputs), "grid_sample", grad_output.double())
-    effect = grad_value_effect(backend, inputs, deterministic=bool(op_kwargs.get("deterministic")))
-    if not nonfinite_kind_matters:
-        actual, expected = ({k: torch.where(v.isfinite(), v, torch.nan) for k, v in r.items()}
-                            for r in (actual, expected))
-    stage.add(label, compare_results(inputs, actual, expected, grad_value_effect=effect))
+    """One parity check against grid_sample in float64 (check_parity; see it for ``nonfinite_kind_matters``)."""
+    stage.add(label, check_parity(inputs, backend, "grid_sample", grad_output=grad_output,
+                                  nonfinite_kind_matters=nonfinite_kind_matters, **op_kwargs))
 
 
 def _with_bad(t: torch.Tensor, bad: float) -> torch.Tensor:
