@@ -31,7 +31,7 @@ from tabulate import tabulate
 from .timing import graph_ms, median_ms
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md ("Peers"), so they compare.
+# On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md, so they compare.
 PEER_LOC_RANGE = (-0.1, 1.1)
 GPU_CASES = tuple(replace(c, loc_range=PEER_LOC_RANGE) for c in STANDARD_CASES)
 SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \
