@@ -1,9 +1,10 @@
 """Sessions. CI (.ci/run) runs lint, packages, cpu and compile_ptx; the rest need a GPU machine or an explicit call.
 
-- lint: ruff on the whole tree (ruff.toml); mypy on msda-core and msda-reference (mypy.ini).
+- lint: ruff on the whole tree (ruff.toml).
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
 - cpu: each package installed from its wheel with its declared dependencies (its [test] extra included) and its
-  own tests run: msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
+  own tests run (first, mypy on msda-core and msda-reference: mypy.ini, against the session's torch):
+  msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
   reference-only install runs the quickstart), then msda-triton, its kernels in Triton's CPU interpreter, and
   the verification's CPU slice.
 - compile_ptx: every Triton kernel variant compiled for sm_80 and sm_90 with no GPU, on the lowest Triton
@@ -29,6 +30,7 @@ nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx"]
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
 PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit", "msda-benchmarks")
 TEST_DIRS = [f"packages/{p}/tests" for p in PACKAGES]
+MYPY = "mypy==2.4.1"
 LOWEST_TRITON = "3.6.0"  # msda-triton's triton>=3.6: what the GPU machine runs with torch 2.11
 
 
@@ -50,11 +52,8 @@ def build_wheels(session) -> dict:
 
 @nox.session
 def lint(session):
-    """ruff (ruff.toml), then mypy on msda-core and msda-reference (mypy.ini) against the torch the cpu session
-    tests."""
-    session.install("ruff==0.17.6", "mypy==2.4.1", TORCH)
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
-    session.run("mypy")
 
 
 @nox.session
@@ -73,6 +72,10 @@ def cpu(session):
     session.install(TORCH, "pytest-xdist")
     # 1. msda-core with what its tests declare (the testkit, and so msda-reference): no Triton.
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-core']}[test]")
+    # mypy (mypy.ini: msda-core and msda-reference) here, against the torch just installed: in lint it would cost
+    # a second install of torch, about a minute of CI
+    session.install(MYPY)
+    session.run("mypy")
     session.run(*pytest, "packages/msda-core/tests")
     # 2. The reference-only install (msda-core + msda-reference, no Triton) gives CPU inference; then the tests
     # of msda-reference, of the testkit and of the tools, with what they declare (onnxscript, onnxruntime).
