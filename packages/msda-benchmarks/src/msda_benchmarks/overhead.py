@@ -21,6 +21,7 @@ from msda_testkit import cli
 from msda_testkit.cases import ARGUMENTS, case, grad_output_for, make_inputs
 from tabulate import tabulate
 
+from .bench import environment
 from .timing import loop_ms, median_ms
 
 
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="value's dtype")
     parser.add_argument("--calls", type=int, default=2000, help="calls per layer and measure")
     parser.add_argument("--case", default="decoder_b4_q300", help="the inputs, a msda_testkit case")
+    parser.add_argument("--json", default="overhead.json", help="where the results go")
     args = parser.parse_args(argv)
     device = cli.device(parser.prog, args.device)
     dtype = getattr(torch, args.dtype)
@@ -101,12 +103,13 @@ def main(argv=None) -> int:
         for name in ("overhead_traceable", "overhead_opaque"):
             msda_core.unregister(name)
         lib._destroy()
-    print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}, {args.case} {args.dtype}, {args.calls} calls each")
+    env = dict(environment(device), case=args.case, dtype=args.dtype, calls=args.calls)
+    print(env)
     headers = ["layer", "host fwd ms/call", "host fwd+grad ms/call"]
     if device.type == "cuda":
         headers += ["bench fwd ms", "bench bwd ms"]
     print(tabulate(rows, headers=headers, floatfmt=".4f", missingval="-"))
+    cli.write_results(args.json, env, [dict(zip(headers, row)) for row in rows])
     return 0
 
 

@@ -16,6 +16,8 @@ import torch
 from msda_testkit import cli
 from tabulate import tabulate
 
+from .bench import environment
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8], help="warps per program")
     parser.add_argument("--orders", nargs="*", default=["row", "head"], choices=["row", "head"],
                         help="row-major or head-major blocks of rows (kernels._block_rows; the forward's only)")
+    parser.add_argument("--json", default="tune.json", help="where the results go")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"{parser.prog}: times Triton kernels on a CUDA GPU; torch sees none here")
@@ -60,8 +63,9 @@ def main(argv=None) -> int:
             rows.append([f"{case.name} B{case.batch} Q{case.queries}", dtype_name, order, block_r, block_p, block_d,
                          warps, fwd, bwd])
             print(rows[-1], flush=True)
-    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_P", "BLOCK_D", "warps",
-                                                  "fwd ms", "bwd ms (fp32 acc)"]))
+    headers = ["case", "dtype", "order", "BLOCK_R", "BLOCK_P", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"]
+    print(tabulate(rows, floatfmt=".4g", headers=headers))
+    cli.write_results(args.json, environment(torch.device("cuda")), [dict(zip(headers, row)) for row in rows])
     return 0
 
 
