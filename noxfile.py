@@ -3,16 +3,19 @@
 - lint: ruff on the whole tree (ruff.toml).
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
 - cpu: each package installed from its wheel with its declared dependencies (its [test] extra included) and its
-  own tests run: msda-core, msda-reference and msda-testkit with no Triton (the reference-only install runs the
-  quickstart), then msda-triton, its kernels in Triton's CPU interpreter, and the verification's CPU slice.
+  own tests run (first, mypy on msda-core and msda-reference: mypy.ini, against the session's torch):
+  msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
+  reference-only install runs the quickstart), then msda-triton, its kernels in Triton's CPU interpreter, and
+  the verification's CPU slice.
 - compile_ptx: every Triton kernel variant compiled for sm_80 and sm_90 with no GPU, on the lowest Triton
   msda-triton supports and on the newest.
 - gpu, verify, distributed: on a CUDA machine, offline, with that machine's torch and Triton (the full suite,
   the five-stage verification, DDP and FSDP2 on two GPUs with NCCL).
-- report, bench: every backend on every case (errors and times), and the timing tables.
+- report, bench: every backend on every case (errors and times), and the timing tables (msda-benchmarks).
 - integrations: msda_core.patch on real transformers and ultralytics models (needs torch 2.14.1 and torchvision).
 
-MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here).
+MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here). The sessions
+run on the Python that runs nox: CI's is 3.11, the one version the packages claim (requires-python >=3.11).
 """
 
 import glob
@@ -25,8 +28,9 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx"]
 
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
-PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit")
+PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit", "msda-benchmarks")
 TEST_DIRS = [f"packages/{p}/tests" for p in PACKAGES]
+MYPY = "mypy==2.4.1"
 LOWEST_TRITON = "3.6.0"  # msda-triton's triton>=3.6: what the GPU machine runs with torch 2.11
 
 
@@ -37,7 +41,7 @@ def install_ours(session, *packages):
 
 def build_wheels(session) -> dict:
     """package name -> the path of its wheel, built from the tree with no network."""
-    session.install("setuptools>=70.1")
+    session.install("setuptools>=77")
     folder = os.path.join(session.create_tmp(), "wheels")
     for path in glob.glob(os.path.join(folder, "*.whl")):
         os.remove(path)
@@ -68,14 +72,22 @@ def cpu(session):
     session.install(TORCH, "pytest-xdist")
     # 1. msda-core with what its tests declare (the testkit, and so msda-reference): no Triton.
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-core']}[test]")
-    session.run(*pytest, "packages/msda-core/tests")
+    # mypy (mypy.ini: msda-core and msda-reference) here, against the torch just installed: in lint it would cost
+    # a second install of torch, about a minute of CI
+    session.install(MYPY)
+    session.run("mypy")
+    # torch warns on import that NumPy is absent: msda-core needs none, and installs none here, so that nothing of
+    # it can import NumPy unnoticed
+    session.run(*pytest, "-W", "ignore:Failed to initialize NumPy:UserWarning", "packages/msda-core/tests")
     # 2. The reference-only install (msda-core + msda-reference, no Triton) gives CPU inference; then the tests
-    # of msda-reference and of the testkit, with what they declare (onnxscript, onnxruntime).
+    # of msda-reference, of the testkit and of the tools, with what they declare (onnxscript, onnxruntime).
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-reference']}[test]")
     session.run("python", "-c", "import importlib.util as u, sys; "
                 "sys.exit('triton must be absent here' if u.find_spec('triton') else 0)")
     session.run("python", "examples/quickstart.py")
-    session.run(*pytest, "packages/msda-reference/tests", "packages/msda-testkit/tests")
+    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-benchmarks']}[test]")
+    session.run(*pytest, "packages/msda-reference/tests", "packages/msda-testkit/tests",
+                "packages/msda-benchmarks/tests")
     # 3. msda-triton, its kernels in Triton's CPU interpreter, and the verification's CPU slice (stage 5 needs
     # a GPU; sequential replays: 3 suffice).
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-triton']}[test,interpreter]")
@@ -87,7 +99,7 @@ def cpu(session):
 @nox.session
 @nox.parametrize("triton", [LOWEST_TRITON, "newest"])
 def compile_ptx(session, triton):
-    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=70.1")
+    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=77")
     install_ours(session, "msda-triton")
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
 
@@ -128,17 +140,17 @@ def distributed(session):
 
 @nox.session
 def report(session):
-    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton")
+    session.install(TORCH, "setuptools>=77", "tabulate", "triton")
     install_ours(session, *PACKAGES)
-    session.run("python", "-m", "msda_testkit.report", *session.posargs)
+    session.run("python", "-m", "msda_benchmarks.report", *session.posargs)
 
 
 @nox.session
 def bench(session):
-    session.install(TORCH, "setuptools>=70.1", "tabulate", "triton", "matplotlib")
+    session.install(TORCH, "setuptools>=77", "tabulate", "triton", "matplotlib")
     install_ours(session, *PACKAGES)
-    session.run("python", "-m", "msda_testkit.bench", *session.posargs)
-    session.run("python", "-m", "msda_testkit.overhead", "--calls", "500")  # the host floor, from the same run
+    session.run("python", "-m", "msda_benchmarks.bench", *session.posargs)
+    session.run("python", "-m", "msda_benchmarks.overhead", "--calls", "500")  # the host floor, from the same run
 
 
 # PyPI's torchvision, which ultralytics needs, does not import beside torch 2.13.0: these two are a pair.
@@ -151,6 +163,6 @@ def integrations(session):
     """msda_core.patch on real transformers and ultralytics models, float64 on the CPU (integrations/); its GPU test
     skips without CUDA."""
     session.install(*INTEGRATIONS_TORCH)
-    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=70.1", "onnxscript", "onnxruntime")
+    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=77", "onnxscript", "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
     session.run("pytest", "-q", "-rs", "integrations", *session.posargs)

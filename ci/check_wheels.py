@@ -1,6 +1,7 @@
 """Check the metadata our wheels carry (nox -s packages): every range a package declares for a sibling, in its
-dependencies or its extras, admits the sibling's own version; and each declared package-data file is in its
-wheel. Arguments: the wheels' paths."""
+dependencies or its extras, admits the sibling's own version; each declared package-data file is in its wheel;
+and each wheel states its license (with the license file inside), a readme, classifiers and the Python that CI
+runs. Arguments: the wheels' paths."""
 
 import sys
 import zipfile
@@ -9,6 +10,7 @@ from email.parser import Parser
 from packaging.requirements import Requirement
 
 PACKAGE_DATA = {"msda-testkit": ["msda_testkit/aoti_runner.cpp"]}
+REQUIRES_PYTHON = ">=3.11"  # the lowest Python CI runs (noxfile: the sessions' Python)
 
 
 def metadata(wheel: str):
@@ -30,6 +32,12 @@ def main(wheels: list) -> int:
             sibling = versions.get(requirement.name)
             if sibling is not None and not requirement.specifier.contains(sibling, prereleases=True):
                 problems.append(f"{name} {versions[name]} requires {line!r}, but {requirement.name} is {sibling}")
+        if meta["License-Expression"] != "Apache-2.0" or not any(f.endswith("/licenses/LICENSE") for f in files):
+            problems.append(f"{name}'s wheel lacks the license expression Apache-2.0 or the LICENSE file")
+        if not meta.get_payload() or not meta.get_all("Classifier"):
+            problems.append(f"{name}'s wheel lacks a readme or classifiers")
+        if meta["Requires-Python"] != REQUIRES_PYTHON:
+            problems.append(f"{name} requires Python {meta['Requires-Python']}, CI tests {REQUIRES_PYTHON}")
         for data in PACKAGE_DATA.get(name, []):
             if data not in files:
                 problems.append(f"{name}'s wheel lacks its package data {data}")

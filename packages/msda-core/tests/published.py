@@ -3,7 +3,7 @@ module), the references of the compat, module and patch tests, in float64."""
 
 import torch
 import torch.nn.functional as F
-from msda_testkit.bench import mmcv_pytorch
+from msda_testkit import mmcv_pytorch
 
 
 def deformable_attention(value, shapes, locations, weights):

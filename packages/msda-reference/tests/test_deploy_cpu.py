@@ -4,6 +4,13 @@ import msda_testkit as kit
 import pytest
 import torch
 
+# torch's own warnings on these valid calls (its exporter's renaming of dynamic axes, its internal
+# deprecations): nothing this code can change
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
 F32 = torch.float32
 
 

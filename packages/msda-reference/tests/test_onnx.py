@@ -6,6 +6,14 @@ import msda_testkit as kit
 import pytest
 import torch
 
+# torch's own warnings on these valid calls (its exporter's renaming of dynamic axes, its internal
+# deprecations): nothing this code can change
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:# The axis name:UserWarning"),
+    pytest.mark.filterwarnings("ignore:# ONNX model has different number of inputs:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+]
+
 F32 = torch.float32
 
 

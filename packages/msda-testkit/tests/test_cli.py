@@ -1,12 +1,12 @@
-"""The testkit's command-line tools: --help names the command to type and shows no reST, every option says
-what it does and its default, and a CUDA device that is not there ends in one line, not a traceback."""
+"""The testkit's commands (msda-benchmarks' test_cli checks the timing tools alike): --help names the command to
+type and shows no reST, every option says what it does and its default, and a CUDA device that is not there ends
+in one line, not a traceback."""
 
 import pytest
 import torch
-from msda_testkit import bench, cli, deploy, distributed, model_bench, overhead, peers, report, verify
+from msda_testkit import cli, distributed, verify
 
-TOOLS = {"report": report, "bench": bench, "peers": peers, "verify": verify, "overhead": overhead, "deploy": deploy,
-         "model_bench": model_bench, "distributed": distributed}
+TOOLS = {"verify": verify, "distributed": distributed}
 real_parser = cli.parser
 
 
@@ -27,7 +27,7 @@ def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
             assert "(default: " in formatter._get_help_string(action), action.option_strings
 
 
-@pytest.mark.parametrize("name", ["report", "bench", "verify", "overhead", "deploy"])
+@pytest.mark.parametrize("name", ["verify"])
 def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
@@ -39,4 +39,4 @@ def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
 
 def test_a_device_torch_does_not_know_is_one_line():
     with pytest.raises(SystemExit, match="--device gpu0: not a device torch knows"):
-        report.main(["--device", "gpu0"])
+        verify.main(["--device", "gpu0"])

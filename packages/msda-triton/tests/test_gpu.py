@@ -6,8 +6,8 @@ import msda_core
 import msda_testkit as kit
 import pytest
 import torch
+from helpers import CROWDED, VARIANTS, _id, assert_triton_parity
 from msda_triton import backend, compile_ptx, kernels, replay
-from test_kernels import CROWDED, VARIANTS, _id, assert_triton_parity
 from triton_env import gpu_only
 
 pytestmark = gpu_only

@@ -11,37 +11,11 @@ import msda_testkit as kit
 import pytest
 import torch
 import triton
+from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
-REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-# (value dtype, location/weight dtype, grad_accum)
-VARIANTS = [(F32, F32, "native"), (F32, F32, "fp32"), (F16, F16, "native"), (F16, F16, "fp32"),
-            (BF16, BF16, "fp32"), (BF16, BF16, "native"), (F16, F32, "native"), (BF16, F32, "auto")]
-
-
-def _id(variant):
-    dtype, loc_dtype, acc = variant
-    name = str(dtype)[6:] + ("" if loc_dtype == dtype else "-" + str(loc_dtype)[6:] + "-locations")
-    return f"{name}-{acc}"
-
-
-def assert_triton_parity(inputs, grad_accum, deterministic=False):
-    """grad_value is judged by the entry of the path that ran ("auto" resolved as the backend does)."""
-    in_fp32 = accumulates_in_fp32(inputs["value"].dtype, grad_accum)
-    grad_output = kit.grad_output_for(inputs)
-    actual = kit.run(inputs, "triton", grad_output, grad_accum=grad_accum, deterministic=deterministic)
-    expected = kit.reference(inputs, backend=REFERENCE)
-    effect = kit.grad_value_effect("triton", inputs, "fp32" if in_fp32 else "native", deterministic)
-    results = kit.compare_results(inputs, actual, expected, grad_value_effect=effect)
-    if any(not r.passed for r in results):
-        raise AssertionError("\n".join(str(r) for r in results))
-    return results
-
-
 def _skip_unsupported(dtype, grad_accum):
     if DEVICE == "cpu" and dtype == BF16 and grad_accum == "native":
         pytest.skip("Triton's interpreter has no bf16 atomic add (covered on the GPU)")
@@ -118,10 +92,6 @@ def test_forward_is_deterministic():
                                  contention=True)
 
 
-# many queries on one 2x2 map: hundreds of atomic adds land on each element of grad_value
-CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
-
-
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32)],
                          ids=lambda d: "-".join(str(t)[6:] for t in d))
 @pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
@@ -129,6 +99,7 @@ def test_deterministic_mode_matches_float64(case, dtypes):
     assert_triton_parity(kit.make_inputs(case, *dtypes, device=DEVICE), "auto", deterministic=True)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on NaN
 def test_deterministic_mode_makes_all_of_grad_value_nan_for_a_nonfinite_grad_output():
     """A non-finite max|g| leaves no finite bound, so no exact scale: NaN everywhere, never garbage."""
     inputs = kit.make_inputs(CROWDED, F32, device=DEVICE)

@@ -5,22 +5,22 @@ msda-triton) through the ``msda.backends`` entry points.
 """
 
 from . import compat, nn
-from .op import deform_attn, output_shape
+from .op import deform_attn
+from .op import output_shape as output_shape
 from .patching import PatchReport, patch, unpatch
 from .registry import (
     Backend,
     BackendUnavailableError,
     Inputs,
-    Request,
     backends,
-    load_errors,
     register,
     request,
-    requested,
     resolve,
     unregister,
     use_backend,
 )
+from .registry import Request as Request
+from .registry import load_errors as load_errors
 
 __version__ = "0.2.0"
 
@@ -31,8 +31,9 @@ def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum
     return resolve(request(backend), Inputs.of(value, sampling_locations, grad_accum, deterministic)).name
 
 
+# What users call. Also importable, for backend authors and tools: Inputs, Request, request, resolve, load_errors,
+# output_shape.
 __all__ = [
-    "Backend", "BackendUnavailableError", "Inputs", "Request", "backends", "deform_attn", "load_errors",
-    "output_shape", "register", "request", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
+    "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "nn", "patch",
+    "register", "resolve_backend", "unpatch", "unregister", "use_backend",
 ]
-__all__ += ["PatchReport", "compat", "nn", "patch", "unpatch"]

@@ -153,7 +153,9 @@ def _absent(name: str) -> bool:
         return importlib.util.find_spec(name) is None
     spec = importlib.util.find_spec(parent)
     locations = spec.submodule_search_locations if spec else None
-    return bool(locations) and importlib.machinery.PathFinder.find_spec(child, list(locations)) is None
+    if not locations:
+        return False
+    return importlib.machinery.PathFinder.find_spec(child, list(locations)) is None
 
 
 def install_extension_shim(*, detrex: bool = False) -> list:
@@ -163,8 +165,8 @@ def install_extension_shim(*, detrex: bool = False) -> list:
     functions, not detrex's DCNv3 ones), when detrex is installed without it; call this before ``import detrex``.
     Only where no real module is found; returns the names registered. Opt-in: importing msda does not do it."""
     shim = types.ModuleType("MultiScaleDeformableAttention", "msda's stand-in for the compiled MSDA extension")
-    shim.ms_deform_attn_forward = _ms_deform_attn_forward
-    shim.ms_deform_attn_backward = _ms_deform_attn_backward
+    shim.ms_deform_attn_forward = _ms_deform_attn_forward  # type: ignore[attr-defined]
+    shim.ms_deform_attn_backward = _ms_deform_attn_backward  # type: ignore[attr-defined]
     names = ["MultiScaleDeformableAttention"] + (["detrex._C"] if detrex else [])
     registered = [name for name in names if _absent(name)]
     for name in registered:

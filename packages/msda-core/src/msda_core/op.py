@@ -6,6 +6,11 @@ runs the same backend's backward. A backend marked ``traceable`` (made of torch 
 called as it is; any other runs inside the opaque private ops ``msda::_opaque_forward`` and
 ``msda::_opaque_backward``, which carry its name and have fake kernels.
 
+``msda::deform_attn_backward`` is not what autograd calls: ``DeformAttn.backward`` runs the backend chosen for the
+forward, with the inputs already validated. The public backward op is for callers that want the three gradients
+without autograd (the extension shim's ``ms_deform_attn_backward``, in msda_core.compat); it validates and chooses
+as the forward does, so the same call gives the same gradients either way.
+
 Why this structure: ``torch.export`` keeps the public op as one node (what the ONNX translation table keys on);
 ``run_decompositions`` and AOTInductor replace it with the chosen backend's ops, so Triton kernels compile into
 the package and the reference path lowers to aten ops; ``torch.compile`` sees through a traceable backend and

@@ -30,6 +30,7 @@ import inspect
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ _V2_POINTS, _V2_METHOD = ("num_points_list", "n_points_list"), ("decoder_method"
 # Patched model -> its report. Nothing is stored on the model, so it still pickles and deep-copies (a deep copy
 # runs patched but is not registered: unpatch applies to the original); the report holds the model weakly, and a
 # model collected while patched releases its globals.
-_reports = weakref.WeakKeyDictionary()
+_reports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layout(value, layout: str, heads_axis: int, sampling_locations) -> str | None:
@@ -201,7 +202,7 @@ class Patched:
     name: str  # the module's qualified name in the model ("" is the model itself)
     cls: str  # module path and class of the module msda now serves
     mechanism: str
-    replacement: object = field(repr=False, compare=False)  # counts its calls
+    replacement: Any = field(repr=False, compare=False)  # counts its calls: a _Counted or an msda module
 
     @property
     def calls(self) -> int:
@@ -258,7 +259,7 @@ class PatchReport:
         lines += [f"  left alone {e.name or '<model>'} ({e.cls}): {e.reason}" for e in self.left_alone]
         return "\n".join(lines)
 
-    def __enter__(self) -> "PatchReport":
+    def __enter__(self) -> PatchReport:
         return self
 
     def __exit__(self, *exc) -> None:

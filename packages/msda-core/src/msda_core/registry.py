@@ -15,9 +15,10 @@ import contextlib
 import contextvars
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -46,7 +47,7 @@ class Inputs(NamedTuple):
 
     @classmethod
     def of(cls, value: torch.Tensor, sampling_locations: torch.Tensor, grad_accum: str = "auto",
-           deterministic: bool = False) -> "Inputs":
+           deterministic: bool = False) -> Inputs:
         B, Q, M, L, P, _ = sampling_locations.shape
         return cls(value.device, value.dtype, sampling_locations.dtype, B, Q, M, value.shape[3], L, P, grad_accum,
                    deterministic)
@@ -173,11 +174,6 @@ def request(backend: str = "auto") -> Request:
         return Request(scope[-1], "a use_backend() scope")
     from_env = os.environ.get(ENV_VAR, "auto") or "auto"
     return Request(from_env, f"the {ENV_VAR} environment variable") if from_env != "auto" else Request("auto", "")
-
-
-def requested(backend: str = "auto") -> str:
-    """The backend name a call asks for, after the scope and the environment variable are applied."""
-    return request(backend).name
 
 
 def _candidates_report(rows: list) -> str:

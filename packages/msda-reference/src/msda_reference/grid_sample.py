@@ -71,7 +71,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     g = grad_output.to(dtype).reshape(B, Q, M, D).permute(0, 2, 3, 1).reshape(B * M, D, Q, 1)
     grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
     grad_locations, grad_weights = [], []
-    for l, (start, H, W), value_l, grid_l, finite_l, weights_l in _per_level(
+    for _, (start, H, W), value_l, grid_l, finite_l, weights_l in _per_level(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         sampled = _sample(value_l, grid_l, finite_l)
         grad_weights.append((g * sampled).sum(1))  # (B*M, Q, P)

@@ -17,9 +17,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """A parser whose usage reads ``python -m <module>``, described by the first line of the tool's
+    """A parser whose usage reads ``python -m <module>``, described by the first paragraph of the tool's
     docstring (less the command and the reST quotes), that shows every option's default in --help."""
-    summary = re.sub(r"^``[^`]*``:\s*", "", doc.strip().splitlines()[0]).replace("``", "")
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    summary = re.sub(r"^``[^`]*``:\s*", "", first).replace("``", "")
     return argparse.ArgumentParser(prog=f"python -m {module}", description=summary,
                                    formatter_class=_Formatter)
 

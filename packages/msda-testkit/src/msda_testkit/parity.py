@@ -116,14 +116,25 @@ def compare_results(inputs: dict, actual: dict, expected: dict, *, grad_value_ef
 
 
 def check_parity(inputs: dict, backend: str, reference_backend: str = "grid_sample", *, backward: bool = True,
-                 seed: int = 1, **op_kwargs) -> list:
-    """``backend`` on ``inputs`` against ``reference_backend`` on the same inputs upcast to float64.
+                 seed: int = 1, grad_output: torch.Tensor | None = None, expected: dict | None = None,
+                 nonfinite_kind_matters: bool = True, **op_kwargs) -> list:
+    """``backend`` on ``inputs`` against ``reference_backend`` on the same inputs upcast to float64: the one "run,
+    reference, compare" of the tests and tools.
 
-    grad_value is judged by the entry grad_value_effect picks from the backend's declarations.
+    ``grad_output`` replaces the seeded one; ``expected`` is the reference's results where the caller has them
+    already (computed with the same grad_output); ``nonfinite_kind_matters=False`` (inf inputs): results must be
+    non-finite exactly where the reference's are, NaN or inf alike (inf * 0 terms make NaN of an inf in one
+    summation order). grad_value is judged by the entry grad_value_effect picks from the backend's declarations.
     """
-    grad_output = grad_output_for(inputs, seed) if backward else None
-    actual = run(inputs, backend, grad_output, **op_kwargs)
-    expected = reference(inputs, backward, reference_backend, seed)
+    if backward and grad_output is None:
+        grad_output = grad_output_for(inputs, seed)
+    actual = run(inputs, backend, grad_output if backward else None, **op_kwargs)
+    if expected is None:
+        expected = run(upcast(inputs, torch.float64), reference_backend,
+                       grad_output.double() if backward and grad_output is not None else None)
+    if not nonfinite_kind_matters:
+        actual, expected = ({k: torch.where(v.isfinite(), v, torch.nan) for k, v in r.items()}
+                            for r in (actual, expected))
     effect = grad_value_effect(backend, inputs, op_kwargs.get("grad_accum", "auto"),
                                bool(op_kwargs.get("deterministic")))
     return compare_results(inputs, actual, expected, grad_value_effect=effect)

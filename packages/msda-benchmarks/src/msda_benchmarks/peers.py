@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.peers``: msda's op against other implementations installed beside it (GPU).
+"""``python -m msda_benchmarks.peers``: msda's op against other implementations installed beside it (GPU).
 
 The bench's inputs (GPU_CASES, in each location distribution) and timing: called from Python, the median of
 triton's do_bench, and replayed from a CUDA graph (None where a call cannot be captured); backward =
@@ -14,22 +14,21 @@ import json
 import statistics
 
 import torch
+from msda_testkit import cli
+from msda_testkit.cases import ARGUMENTS, grad_output_for, make_inputs
 from tabulate import tabulate
 
-from . import cli
 from .bench import (
     DTYPES,
     GPU_CASES,
     LAYOUTS,
     backward_ms,
     environment,
-    graph_ms,
-    median_ms,
     training_leaves,
     with_backward,
     with_layout,
 )
-from .cases import ARGUMENTS, grad_output_for, make_inputs
+from .timing import graph_ms, median_ms
 
 PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
 
@@ -45,7 +44,7 @@ def _installed_peers() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.peers", __doc__)
+    parser = cli.parser("msda_benchmarks.peers", __doc__)
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
                         help="location distributions, as the bench's")
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, fn in calls.items():
                     both = both_calls[name]
-                    for key, ms in (("fwd", median_ms(fn, device, 1)), ("both", median_ms(both, device, 1)),
+                    for key, ms in (("fwd", median_ms(fn, device)), ("both", median_ms(both, device)),
                                     ("fwd_graph", graph_ms(fn)), ("both_graph", graph_ms(both))):
                         times[name][key].append(ms)
             for name, fn in calls.items():

@@ -5,12 +5,15 @@ import json
 
 import pytest
 import torch
-from msda_testkit import model_bench
+from msda_benchmarks import model_bench
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    return pytest.importorskip("transformers")
 
 
 def test_patch_msda_routes_every_attention_core_through_msda():
+    _transformers()
     model = model_bench.build_model(tiny=True)
     cores = sum(type(m).__name__ == "MultiScaleDeformableAttention" for m in model.modules())
     report = model_bench.patch_msda(model)
@@ -23,9 +26,10 @@ def test_patch_msda_routes_every_attention_core_through_msda():
 
 
 def test_tiny_cpu_run_writes_well_formed_rows(tmp_path):
+    transformers = _transformers()
     path = tmp_path / "model.json"
     assert model_bench.main(["--device", "cpu", "--tiny", "--modes", "eager", "--paths", "pytorch", "msda",
-                             "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--json", str(path)]) == 0
+                             "--seconds", "0.05", "--warmup", "1", "--profile-steps", "1", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["environment"]["transformers"] == transformers.__version__
     rows = result["rows"]
@@ -43,3 +47,15 @@ def test_tiny_cpu_run_writes_well_formed_rows(tmp_path):
 def test_without_a_gpu_it_says_so_in_one_line(capsys):
     assert model_bench.main([]) == 2
     assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_the_cpu_runs_only_the_tiny_model(capsys):
+    assert model_bench.main(["--device", "cpu"]) == 2
+    assert "--tiny" in capsys.readouterr().out
+
+
+def test_profile_steps_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        model_bench.main(["--device", "cpu", "--tiny", "--profile-steps", "0"])
+    assert exit_.value.code == 2
+    assert "--profile-steps: expected a whole number of steps >= 1, got '0'" in capsys.readouterr().err

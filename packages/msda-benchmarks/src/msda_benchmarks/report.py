@@ -1,8 +1,8 @@
-"""``python -m msda_testkit.report``: every available backend on the standard and edge cases, one table.
+"""``python -m msda_benchmarks.report``: every available backend on the standard and edge cases, one table.
 
 Errors are against float64 (the naive loops where they can run, else grid_sample) on the same inputs
-upcast. Times are wall-clock medians after a warm-up call, host overhead included: for orientation only
-(``msda_testkit.bench`` measures speed). On a CPU-only machine the encoder-size cases are replaced by the
+upcast. Times are host-time medians (timing.host_ms), host overhead included: for orientation only
+(``msda_benchmarks.bench`` measures speed). On a CPU-only machine the encoder-size cases are replaced by the
 small ones. The table prints row by row as it runs; what a backend cannot run is listed under it, once per
 reason.
 """
@@ -11,43 +11,24 @@ from __future__ import annotations
 
 import statistics
 import textwrap
-import time
 
 import msda_core
 import torch
+from msda_testkit import cli
+from msda_testkit.cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
+from msda_testkit.parity import check_parity, reference, run
 
-from . import cli
-from .cases import EDGE_CASES, SMALL_CASES, STANDARD_CASES, grad_output_for, make_inputs
-from .parity import compare_results, grad_value_effect, reference, run
+from .timing import host_ms
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COLUMNS = (("case", 24), ("dtype", 9), ("backend", 23), ("fwd ms", 9), ("bwd ms", 9), ("against float64", 0))
 LEGEND = """\
-fwd ms: median wall-clock time of one forward call, host overhead included, after a warm-up call.
+fwd ms: median wall-clock time of one forward call, host overhead included (blocks of calls after a warm-up).
 bwd ms: the median of forward+backward calls less the forward's median; "< noise" where that difference is
   not larger than the spread of the two (their median absolute deviations added), negative ones included.
 against float64: "ok" when every result is within its tolerance, else FAIL and the results that are not;
   "worst" names the result farthest from float64, its error given "of scale": the largest |actual - expected|
   over the largest |expected| of that tensor."""
-
-
-def timed(fn, device, repeats: int, min_seconds: float = 0.05, max_repeats: int = 100):
-    """fn's result (from a warm-up call) and the wall-clock times in ms of at least ``repeats`` further
-    calls, continued up to ``max_repeats`` until they add up to ``min_seconds``."""
-    def call():
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return result, (time.perf_counter() - start) * 1e3
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    result, _ = call()
-    times = []
-    while len(times) < repeats or (sum(times) < min_seconds * 1e3 and len(times) < max_repeats):
-        times.append(call()[1])
-    return result, times
 
 
 def _spread(times: list) -> float:
@@ -80,7 +61,7 @@ def _paths(backend):
     return paths if len(paths) > 1 else [(None, "auto", False)]
 
 
-def rows_for(case, dtype, device, repeats, skipped: dict) -> list:
+def rows_for(case, dtype, device, seconds: float, skipped: dict) -> list:
     """The table's rows for one case and dtype; each path a backend cannot run goes to ``skipped``
     instead, keyed by (backend, reason), as (path, case, dtype)."""
     inputs = make_inputs(case, dtype, device=device)
@@ -96,10 +77,9 @@ def rows_for(case, dtype, device, repeats, skipped: dict) -> list:
                 skipped.setdefault((name, "; ".join(reasons)), []).append((path, case.name, dtype_name))
                 continue
             kwargs = {"grad_accum": grad_accum, "deterministic": deterministic}
-            _, fwd = timed(lambda: run(inputs, name, **kwargs), device, repeats)
-            actual, both = timed(lambda: run(inputs, name, grad_output, **kwargs), device, repeats)
-            effect = grad_value_effect(name, inputs, grad_accum, deterministic)
-            results = compare_results(inputs, actual, expected, grad_value_effect=effect)
+            fwd = host_ms(lambda: run(inputs, name, **kwargs), seconds)
+            both = host_ms(lambda: run(inputs, name, grad_output, **kwargs), seconds)
+            results = check_parity(inputs, name, expected=expected, **kwargs)
             worst = max(results, key=lambda r: r.max_rel_err)
             failed = [r.name for r in results if not r.passed]
             verdict = "FAIL: " + ", ".join(failed) if failed else "ok"
@@ -133,10 +113,9 @@ def skip_lines(skipped: dict, cases: list, width: int = 110) -> list:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.report", __doc__)
+    parser = cli.parser("msda_benchmarks.report", __doc__)
     cli.add_device(parser)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="the fewest timed calls per figure, after the warm-up (short calls: 0.05 s of them)")
+    parser.add_argument("--seconds", type=float, default=0.05, help="the least time of timed calls per figure")
     args = parser.parse_args(argv)
     device = cli.device(parser.prog, args.device)
     cases = [*(STANDARD_CASES if device.type == "cuda" else SMALL_CASES + STANDARD_CASES[:1]), *EDGE_CASES]
@@ -147,7 +126,7 @@ def main(argv=None) -> int:
     rows, failed, skipped = 0, 0, {}
     for case in cases:
         for dtype in DTYPES:
-            for row in rows_for(case, dtype, device, args.repeats, skipped):
+            for row in rows_for(case, dtype, device, args.seconds, skipped):
                 print(format_row(row), flush=True)
                 rows += 1
                 failed += row[-1].startswith("FAIL")

@@ -4,7 +4,7 @@ that cannot run here is one line under the table, its reason whole."""
 import dataclasses
 
 import msda_core
-from msda_testkit import report
+from msda_benchmarks import report
 from msda_testkit.cases import case
 
 
@@ -26,7 +26,7 @@ def test_a_backend_that_cannot_run_here_is_one_line_not_a_row_per_case(monkeypat
     monkeypatch.setattr(msda_core, "backends", lambda: {"gather": gather, "elsewhere": elsewhere})
     rows, skipped = [], {}
     for dtype in report.DTYPES:
-        rows += report.rows_for(case("tiny"), dtype, report.torch.device("cpu"), 1, skipped)
+        rows += report.rows_for(case("tiny"), dtype, report.torch.device("cpu"), 0.01, skipped)
     assert [r[2] for r in rows] == ["gather"] * 3 and all(r[-1].startswith("ok") for r in rows)
     assert report.skip_lines(skipped, ["tiny"]) == [
         "elsewhere skipped on every case and dtype: device type 'cpu' not in ['no_such_device']"]

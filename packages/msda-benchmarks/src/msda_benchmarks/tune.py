@@ -1,43 +1,47 @@
-"""``python -m msda_triton.tune``: time the kernels over block shapes and warps on one case (GPU).
+"""``python -m msda_benchmarks.tune``: time the Triton kernels over block shapes and warps on one case (GPU).
 
-A measuring tool for choosing kernels.launch_config, not part of the op: each configuration is timed by
-replaying a CUDA graph of the bare kernel launch (no host overhead), median of triton.testing's runs.
+A measuring tool for choosing msda_triton.kernels.launch_config: each configuration is timed by replaying a CUDA
+graph of the bare kernel launch (no host overhead), median of triton.testing's runs. Triton and msda-triton are
+imported only to run (``pip install 'msda-benchmarks[triton]'``), so --help works without them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 
 import msda_core
+import msda_testkit as kit
 import torch
-import triton.testing
+from msda_testkit import cli
 from tabulate import tabulate
 
-try:
-    import msda_testkit as kit
-except ImportError as err:  # an optional dependency: the tool's inputs and cases
-    raise SystemExit("python -m msda_triton.tune needs msda-testkit: pip install 'msda-triton[tune]'") from err
-from .backend import launch_backward, launch_forward
-from .kernels import launch_config
+from .bench import environment
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="encoder_b2")
+    parser = cli.parser("msda_benchmarks.tune", __doc__)
+    parser.add_argument("--case", default="encoder_b2", help="the inputs, a msda_testkit case")
     parser.add_argument("--batch", type=int, help="the case with this batch size instead")
     parser.add_argument("--queries", type=int, help="the case with this many queries instead")
-    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
-    parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES), help="value dtypes")
+    parser.add_argument("--block-r", nargs="*", type=int, default=[16, 32, 64, 128],
+                        help="rows (query, head pairs) per program")
     parser.add_argument("--block-p", nargs="*", type=int, default=[1],
                         help="points of each row per step, of one level (the forward's only)")
-    parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--warps", nargs="*", type=int, default=[1, 2, 4, 8], help="warps per program")
     parser.add_argument("--orders", nargs="*", default=["row", "head"], choices=["row", "head"],
                         help="row-major or head-major blocks of rows (kernels._block_rows; the forward's only)")
+    parser.add_argument("--json", default="tune.json", help="where the results go")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{parser.prog}: times Triton kernels on a CUDA GPU; torch sees none here")
+    import triton.testing
+    from msda_triton.backend import launch_backward, launch_forward
+    from msda_triton.kernels import launch_config
+
     case = kit.case(args.case)
     case = dataclasses.replace(case, batch=args.batch or case.batch, queries=args.queries or case.queries)
     rows = []
@@ -59,8 +63,9 @@ def main(argv=None) -> int:
             rows.append([f"{case.name} B{case.batch} Q{case.queries}", dtype_name, order, block_r, block_p, block_d,
                          warps, fwd, bwd])
             print(rows[-1], flush=True)
-    print(tabulate(rows, floatfmt=".4g", headers=["case", "dtype", "order", "BLOCK_R", "BLOCK_P", "BLOCK_D", "warps",
-                                                  "fwd ms", "bwd ms (fp32 acc)"]))
+    headers = ["case", "dtype", "order", "BLOCK_R", "BLOCK_P", "BLOCK_D", "warps", "fwd ms", "bwd ms (fp32 acc)"]
+    print(tabulate(rows, floatfmt=".4g", headers=headers))
+    cli.write_results(args.json, environment(torch.device("cuda")), [dict(zip(headers, row)) for row in rows])
     return 0
 
 

@@ -1,7 +1,7 @@
 """The peer comparison refuses plainly where it cannot run."""
 
 import torch
-from msda_testkit import peers
+from msda_benchmarks import peers
 
 
 def test_peers_says_why_it_does_not_run(capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.overhead``: host cost per call of the op, against what torch itself costs.
+"""``python -m msda_benchmarks.overhead``: host cost per call of the op, against what torch itself costs.
 
 Times forward and forward + ``torch.autograd.grad`` on decoder-sized inputs for layers of the same call: a bare
 ``torch.autograd.Function``; a public CompositeImplicitAutograd ``torch.library`` op with msda's schema whose kernel
@@ -7,23 +7,22 @@ validation and selection) and with a no-op opaque backend (adds the private cust
 called alone; and msda's op with the real backend. The differences say where a small call's time goes.
 
 Two measures: the host's time per call (a loop of calls, then one synchronize), and on CUDA the bench's own "called"
-figures (msda_testkit.bench: medians of triton.testing.do_bench, backward = forward+grad less forward). do_bench
+figures (msda_benchmarks.bench: medians of triton.testing.do_bench, backward = forward+grad less forward). do_bench
 zeroes a 256 MB buffer before each call and the host's work overlaps that fill, so the bench's figures sit below the
 host's time by up to the fill's duration.
 """
 
 from __future__ import annotations
 
-import time
-
 import msda_core
 import torch
 from msda_core import op
+from msda_testkit import cli
+from msda_testkit.cases import ARGUMENTS, case, grad_output_for, make_inputs
 from tabulate import tabulate
 
-from . import cli
-from .bench import median_ms
-from .cases import ARGUMENTS, case, grad_output_for, make_inputs
+from .bench import environment
+from .timing import loop_ms, median_ms
 
 
 def _outputs_like(value, loc, weights):
@@ -57,26 +56,14 @@ def _noop_backend(name, device, dtype, traceable):
         devices=frozenset({device.type}), dtypes=frozenset({dtype}), traceable=traceable)
 
 
-def _per_call_ms(fn, device, calls: int) -> float:
-    for _ in range(max(1, calls // 20)):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e3
-
-
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.overhead", __doc__)
+    parser = cli.parser("msda_benchmarks.overhead", __doc__)
     cli.add_device(parser)
     parser.add_argument("--backend", default="auto", help="the real backend (auto: what the op chooses)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="value's dtype")
     parser.add_argument("--calls", type=int, default=2000, help="calls per layer and measure")
     parser.add_argument("--case", default="decoder_b4_q300", help="the inputs, a msda_testkit case")
+    parser.add_argument("--json", default="overhead.json", help="where the results go")
     args = parser.parse_args(argv)
     device = cli.device(parser.prog, args.device)
     dtype = getattr(torch, args.dtype)
@@ -106,22 +93,23 @@ def main(argv=None) -> int:
         for name, forward in layers.items():
             differentiable = "forward alone" not in name
             forward_backward = lambda: torch.autograd.grad(forward(), leaves, grad_output)  # noqa: E731
-            row = [name, _per_call_ms(forward, device, args.calls),
-                   _per_call_ms(forward_backward, device, args.calls) if differentiable else None]
+            row = [name, loop_ms(forward, args.calls),
+                   loop_ms(forward_backward, args.calls) if differentiable else None]
             if device.type == "cuda":
-                fwd = median_ms(forward, device, 0)
-                row += [fwd, median_ms(forward_backward, device, 0) - fwd if differentiable else None]
+                fwd = median_ms(forward, device)
+                row += [fwd, median_ms(forward_backward, device) - fwd if differentiable else None]
             rows.append(row)
     finally:
         for name in ("overhead_traceable", "overhead_opaque"):
             msda_core.unregister(name)
         lib._destroy()
-    print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}, {args.case} {args.dtype}, {args.calls} calls each")
+    env = dict(environment(device), case=args.case, dtype=args.dtype, calls=args.calls)
+    print(env)
     headers = ["layer", "host fwd ms/call", "host fwd+grad ms/call"]
     if device.type == "cuda":
         headers += ["bench fwd ms", "bench bwd ms"]
     print(tabulate(rows, headers=headers, floatfmt=".4f", missingval="-"))
+    cli.write_results(args.json, env, [dict(zip(headers, row)) for row in rows])
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.model_bench``: training steps of transformers' Deformable DETR, per attention path (GPU).
+"""``python -m msda_benchmarks.model_bench``: training steps of transformers' Deformable DETR, per attention path (GPU).
 
 The model is built from a ``DeformableDetrConfig`` with random weights and nothing fetched: transformers' own
 ResNet-50 backbone config (``use_timm_backbone=False``, ``use_pretrained_backbone=False``). Batch 2 at 3x800x1333
@@ -6,8 +6,8 @@ and 3x512x683. A step is the forward, a loss (mean squared class logits plus mea
 reaches both heads, without the Hungarian matcher, which syncs with the host and needs scipy) and the backward.
 
 For each image size, precision (fp32, bf16 autocast), mode (eager, ``torch.compile``) and attention path (the
-model's own PyTorch attention, msda, deformops' patch where installed): the median step time over ``--steps`` steps
-after warm-up, the peak memory of a step, and, from torch.profiler, the attention's GPU time per step and its
+model's own PyTorch attention, msda, deformops' patch where installed): the median step time over ``--seconds`` of
+steps after warm-up, the peak memory of a step, and, from torch.profiler, the attention's GPU time per step and its
 share of the step's GPU time. Attention kernels are those launched under the path's ops (``ATTENTION_OPS``) or
 named for them (``ATTENTION_KERNELS``: compiled code inlines msda's and deformops' Triton kernels and fuses
 grid_sample). Prints a table, writes JSON. ``--device cpu --tiny`` runs a tiny model on the CPU: a check that the
@@ -16,17 +16,18 @@ script works (its times mean nothing; the attention share is of CPU time there).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import statistics
-import time
 
 import msda_core
 import torch
+from msda_testkit import cli
 from tabulate import tabulate
 
-from . import cli
 from .bench import environment
+from .timing import host_ms
 
 SIZES = ("800x1333", "512x683")
 TINY_SIZE = "64x96"
@@ -129,13 +130,7 @@ def measure(path: str, size: str, precision: str, mode: str, args, device) -> di
 
     for _ in range(args.warmup):
         step()
-    times = []
-    for _ in range(args.steps):
-        synchronize()
-        start = time.perf_counter()
-        step()
-        synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    times = host_ms(step, args.seconds)
     row = {"path": path, "size": size, "precision": precision, "mode": mode, "batch": args.batch,
            "step_ms": statistics.median(times), "step_spread_ms": [min(times), max(times)]}
     if device.type == "cuda":
@@ -155,8 +150,14 @@ def measure(path: str, size: str, precision: str, mode: str, args, device) -> di
     return row
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.model_bench", __doc__)
+    parser = cli.parser("msda_benchmarks.model_bench", __doc__)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny to check the script")
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model at {TINY_SIZE}, to check the script")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="images, HxW")
@@ -166,20 +167,24 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES), help="eager or torch.compile")
     parser.add_argument("--paths", nargs="*", default=list(PATCHES), choices=list(PATCHES),
                         help="attention paths (deformops: skipped when it is not installed)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="the least time of timed steps (the median step is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
-    parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled for the attention's share")
+    parser.add_argument("--profile-steps", type=_positive, default=2, help="steps profiled for the attention's share")
     parser.add_argument("--json", default="model_bench.json",
                         help="where the results go, in the current folder by default")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("model_bench runs on a CUDA GPU and none is available (--device cpu --tiny checks the script)")
+        return 2
+    if device.type == "cpu" and not args.tiny:
+        print("model_bench on the CPU runs only the tiny model (--tiny), a check of the script")
+        return 2
     try:
         importlib.import_module("transformers")
     except ImportError:
         print("model_bench needs transformers (pip install transformers); it is not installed")
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("model_bench runs on a CUDA GPU and none is available (--device cpu --tiny checks the script)")
         return 2
     paths = list(args.paths)
     if "deformops" in paths and importlib.util.find_spec("deformops") is None:

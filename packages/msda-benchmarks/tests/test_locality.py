@@ -3,7 +3,7 @@
 import json
 
 import torch
-from msda_testkit import locality
+from msda_benchmarks import locality
 
 
 def _inputs(locations):

@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.bench``: forward and backward times of every available backend.
+"""``python -m msda_benchmarks.bench``: forward and backward times of every available backend.
 
 On the GPU, for each backend, dtype, case and location distribution (model-like first, then uniform): the
 median forward time and backward time (forward+backward minus forward, through autograd as users call it,
@@ -18,20 +18,20 @@ import json
 import math
 import platform
 import statistics
-import time
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import msda_core
 import torch
-import torch.nn.functional as F
+from msda_testkit import cli
+from msda_testkit.cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
+from msda_testkit.mmcv_formulation import mmcv_pytorch
 from tabulate import tabulate
 
-from . import cli
-from .cases import DETR_LEVELS, DETR_S, DIFFERENTIABLE, STANDARD_CASES, Case, grad_output_for, make_inputs
+from .timing import graph_ms, median_ms
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md ("Peers"), so they compare.
+# On the GPU, locations are uniform in [-0.1, 1.1] as in the peer figures of BENCHMARKS.md, so they compare.
 PEER_LOC_RANGE = (-0.1, 1.1)
 GPU_CASES = tuple(replace(c, loc_range=PEER_LOC_RANGE) for c in STANDARD_CASES)
 SWEEP = tuple(replace(GPU_CASES[1], name=f"sweep_b2_q{q}", queries=q) for q in (300, 1000, 3000, 10000)) + \
@@ -67,37 +67,6 @@ def _rows_read(inputs: dict) -> int:
     return int((grad_value != 0).any(-1).sum())
 
 
-def median_ms(fn, device, repeats: int) -> float:
-    """GPU: triton's do_bench. CPU: at least ``repeats`` runs and at least one second of them."""
-    if device.type == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    while len(times) < repeats or sum(times) < 1.0:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def graph_ms(fn) -> float | None:
-    """Time of replaying fn from a CUDA graph, or None if fn cannot be captured (e.g. it syncs)."""
-    import triton.testing
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        return None
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-
-
 def copy_bandwidth(device) -> float:
     """Device-to-device copy, bytes read plus written per second."""
     import triton.testing
@@ -122,7 +91,7 @@ def with_backward(forward, leaves: dict, grad_output):
     return lambda: torch.autograd.grad(forward(), [leaves[k] for k in DIFFERENTIABLE], grad_output)
 
 
-def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, grad_accum: str = "auto",
+def measure(case: Case, dtype: torch.dtype, backend: str, device, seconds: float, grad_accum: str = "auto",
             deterministic: bool = False) -> dict:
     inputs = make_inputs(case, dtype, device=device)
     leaves = training_leaves(inputs)
@@ -136,8 +105,8 @@ def measure(case: Case, dtype: torch.dtype, backend: str, device, repeats: int, 
     row = {"case": case.name, "locations": case.layout, "dtype": str(dtype)[6:], "backend": backend,
            "grad_accum": "deterministic" if deterministic else grad_accum,
            "B": case.batch, "Q": case.queries}
-    row["fwd_ms"] = median_ms(forward, device, repeats)
-    row["bwd_ms"] = median_ms(forward_backward, device, repeats) - row["fwd_ms"]
+    row["fwd_ms"] = median_ms(forward, device, seconds)
+    row["bwd_ms"] = median_ms(forward_backward, device, seconds) - row["fwd_ms"]
     if device.type == "cuda":
         fwd_graph = graph_ms(forward)
         both_graph = graph_ms(forward_backward)
@@ -201,7 +170,7 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.bench", __doc__)
+    parser = cli.parser("msda_benchmarks.bench", __doc__)
     cli.add_device(parser)
     parser.add_argument("--backends", nargs="*",
                         help="GPU: the backends to time (default: every backend that auto may choose on the device)")
@@ -214,8 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
     parser.add_argument("--threads", type=int, default=2, help="CPU: torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=5, help="CPU: rounds in which the implementations take turns")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="CPU: the fewest timed runs per round (and at least 1 s of them)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="CPU: the least time of timed calls per figure")
     parser.add_argument("--json", default="bench.json", help="where the results go, in the current folder by default")
     parser.add_argument("--plot", default="bench.png",
                         help="GPU: where the plot goes, in the current folder by default")
@@ -237,7 +205,7 @@ def main(argv=None) -> int:
     for case in (with_layout(c, layout) for c in cases for layout in args.layouts):
         for dtype_name in args.dtypes or list(DTYPES):
             for backend, grad_accum in ((b, a) for b in backends for a in args.grad_accum):
-                row = measure(case, DTYPES[dtype_name], backend, device, args.repeats, grad_accum,
+                row = measure(case, DTYPES[dtype_name], backend, device, args.seconds, grad_accum,
                               args.deterministic)
                 bandwidth = env["copy_bandwidth_tb_s"] * 1e12
                 for key in ("fwd", "bwd"):
@@ -256,25 +224,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def mmcv_pytorch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """mmcv's PyTorch formulation (``multi_scale_deformable_attn_pytorch``), the CPU baseline: each level of
-    value laid out as (B*M, D, H, W) and sampled with one F.grid_sample at 2 * loc - 1; level_start_index
-    unused, as there (the levels follow each other)."""
-    B, _, M, D = value.shape
-    _, Q, _, L, P, _ = sampling_locations.shape
-    shapes = spatial_shapes.tolist()
-    levels = value.split([h * w for h, w in shapes], dim=1)
-    grids = 2 * sampling_locations - 1
-    samples = []
-    for level, (h, w) in enumerate(shapes):
-        value_l = levels[level].flatten(2).transpose(1, 2).reshape(B * M, D, h, w)
-        grid_l = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)  # (B*M, Q, P, 2)
-        samples.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
-    weights = attention_weights.transpose(1, 2).reshape(B * M, 1, Q, L * P)
-    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1)  # (B*M, D, Q)
-    return out.view(B, M * D, Q).transpose(1, 2).contiguous()
-
-
 CPU_IMPLEMENTATIONS = {
     "gather": lambda **inputs: torch.ops.msda.deform_attn(**inputs, backend="gather"),
     "mmcv_pytorch": lambda **inputs: mmcv_pytorch(**inputs),
@@ -282,7 +231,7 @@ CPU_IMPLEMENTATIONS = {
 CPU_MODES = ("inference", "fwd+bwd")
 
 
-def compare_row(case: Case, dtype: torch.dtype, rounds: int, repeats: int) -> dict:
+def compare_row(case: Case, dtype: torch.dtype, rounds: int, seconds: float) -> dict:
     """One case on the CPU: each implementation's median time over ``rounds`` rounds, inference (under
     torch.inference_mode) and forward+backward (torch.autograd.grad into value, locations and weights),
     the implementations taking turns each round; the spread of the rounds; the speedups of gather."""
@@ -300,7 +249,7 @@ def compare_row(case: Case, dtype: torch.dtype, rounds: int, repeats: int) -> di
     times = {key: [] for key in calls}
     for _ in range(rounds):
         for key, fn in calls.items():
-            times[key].append(median_ms(fn, cpu, repeats))
+            times[key].append(median_ms(fn, cpu, seconds))
     outputs = [calls[name, "inference"]().float() for name in CPU_IMPLEMENTATIONS]
     row = {"case": case.name, "locations": case.layout, "dtype": str(dtype)[6:], "rounds": rounds,
            "max_abs_diff": (outputs[0] - outputs[1]).abs().max().item()}
@@ -330,7 +279,7 @@ def compare_cpu(args) -> int:
     rows = []
     for case in (with_layout(c, layout) for c in CPU_CASES for layout in args.layouts):
         for dtype_name in args.dtypes or ["fp32"]:
-            rows.append(compare_row(case, DTYPES[dtype_name], args.rounds, args.repeats))
+            rows.append(compare_row(case, DTYPES[dtype_name], args.rounds, args.seconds))
             print(rows[-1], flush=True)
     print(json.dumps(env))
     print(f"medians over {args.rounds} rounds (min-max of the rounds), {args.threads} threads")

@@ -1,4 +1,4 @@
-"""``python -m msda_testkit.locality``: how far merging on chip could cut the backward's atomic traffic (CPU).
+"""``python -m msda_benchmarks.locality``: how far merging on chip could cut the backward's atomic traffic (CPU).
 
 The backward adds one contribution to grad_value per in-map corner of every sample, each an atomic add of D
 channels into the L2. A kernel whose program holds R consecutive queries of one head could first merge the
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from msda_testkit import cli
+from msda_testkit.cases import make_inputs
 from tabulate import tabulate
 
-from . import cli
 from .bench import GPU_CASES, LAYOUTS
-from .cases import make_inputs
 
 BLOCKS = (1, 16, 32, 64)
 
@@ -43,7 +43,7 @@ def merge_factor(inputs: dict, block_queries: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_testkit.locality", __doc__)
+    parser = cli.parser("msda_benchmarks.locality", __doc__)
     parser.add_argument("--batch", type=int, default=1, help="the bench's encoder shape (Q = S = 22223) at this batch")
     parser.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS), help="queries per block, R")
     parser.add_argument("--json", default="locality.json", help="where the results go, in the current folder")

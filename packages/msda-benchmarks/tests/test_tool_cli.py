@@ -1,0 +1,78 @@
+"""The timing tools: --help names the command to type, gives the whole first paragraph of the tool's docstring and
+shows no reST, every option says what it does and its default, a CUDA device that is not there ends in one line,
+not a traceback, and no tool leaves files behind."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from msda_benchmarks import bench, deploy, locality, model_bench, overhead, peers, report, tune
+from msda_testkit import cli
+
+TOOLS = {"report": report, "bench": bench, "peers": peers, "overhead": overhead, "deploy": deploy,
+         "model_bench": model_bench, "locality": locality,
+         "tune": tune}
+real_parser = cli.parser
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
+    made = []
+    monkeypatch.setattr(cli, "parser", lambda *args: made.append(real_parser(*args)) or made[-1])
+    with pytest.raises(SystemExit) as exit_:
+        TOOLS[name].main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m msda_benchmarks.{name} ") and "``" not in text
+    (parser,) = made
+    assert parser.description.endswith((".", ")")), parser.description  # the first paragraph, whole
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False, "==SUPPRESS=="):  # a flag, or an option whose absence is explained
+            assert "(default: " in formatter._get_help_string(action), action.option_strings
+
+
+@pytest.mark.parametrize("name", ["report", "bench", "overhead", "deploy"])
+def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        TOOLS[name].main(["--device", "cuda"])
+    message = str(exit_.value.code)
+    assert message.startswith(f"python -m msda_benchmarks.{name}: --device cuda: no CUDA device here")
+    assert "\n" not in message
+
+
+def test_a_device_torch_does_not_know_is_one_line():
+    with pytest.raises(SystemExit, match="--device gpu0: not a device torch knows"):
+        report.main(["--device", "gpu0"])
+
+
+def test_tune_without_a_gpu_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"^python -m msda_benchmarks.tune: times Triton kernels on a CUDA GPU"):
+        tune.main([])
+
+
+def test_help_as_a_command_prints_no_warning():
+    """``python -m`` of a module that its package's __init__ imports warns (runpy's RuntimeWarning), as deploy did
+    when the testkit held it."""
+    result = subprocess.run([sys.executable, "-m", "msda_benchmarks.deploy", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_deploy_removes_its_temporary_folder(monkeypatch):
+    folders = []
+
+    def build(folder):
+        folders.append(Path(folder))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(deploy, "build_aoti_runner", build)
+    with pytest.raises(RuntimeError, match="stop here"):
+        deploy.main(["--device", "cpu"])
+    (folder,) = folders
+    assert folder.name.startswith("msda-deploy-") and not folder.exists()
