@@ -1,5 +1,5 @@
 """What the kernel tests (test_kernels.py) and the GPU tests (test_gpu.py) share: the dtype variants, the crowded
-case and the parity check against float64."""
+case, the parity check against float64 and the wrong level table."""
 
 import msda_testkit as kit
 import torch
@@ -26,3 +26,16 @@ def assert_triton_parity(inputs, grad_accum, deterministic=False):
 
 # many queries on one 2x2 map: hundreds of atomic adds land on each element of grad_value
 CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
+
+
+def wrong_level_table(inputs):
+    """``inputs`` with a level table claiming 40 rows where value has 30 (level 1 reaching past value's end: not
+    validated on the GPU), and what the kernels must give for it: a level not inside value's rows contributes
+    nothing (kernels._level_inside), so the reference on level 0 alone, with zero gradients for level 1."""
+    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=inputs["value"].device),
+                 level_start_index=torch.tensor([0, 24], device=inputs["value"].device))
+    level_0 = dict(wrong, value=inputs["value"][:, :24], spatial_shapes=wrong["spatial_shapes"][:1],
+                   level_start_index=wrong["level_start_index"][:1],
+                   sampling_locations=inputs["sampling_locations"][:, :, :, :1],
+                   attention_weights=inputs["attention_weights"][:, :, :, :1])
+    return wrong, level_0

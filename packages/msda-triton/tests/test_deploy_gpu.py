@@ -3,7 +3,7 @@
 import msda_testkit as kit
 import pytest
 import torch
-from test_kernels import wrong_level_table
+from helpers import wrong_level_table
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
@@ -128,7 +128,7 @@ def test_no_call_synchronizes_the_host(mode):
 
 def test_a_wrong_level_table_on_the_gpu_reads_nothing_outside_value():
     """CUDA tables are not read on the host; a level the table places past value's end contributes nothing,
-    through the public op too (test_kernels.wrong_level_table)."""
+    through the public op too (helpers.wrong_level_table)."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device="cuda")
     wrong, level_0 = wrong_level_table(inputs)
     got = torch.ops.msda.deform_attn(**wrong, backend="triton")

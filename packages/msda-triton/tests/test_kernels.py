@@ -11,7 +11,7 @@ import msda_testkit as kit
 import pytest
 import torch
 import triton
-from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity
+from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity, wrong_level_table
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
@@ -151,19 +151,6 @@ def test_forward_row_orders_and_offset_widths_agree_bitwise(case, block_p):
     for other in outputs[1:]:
         assert torch.equal(first.isnan(), other.isnan()) and torch.equal(first.nan_to_num(), other.nan_to_num())
     assert first.isnan().any() == (case == "nonfinite")
-
-
-def wrong_level_table(inputs):
-    """``inputs`` with a level table claiming 40 rows where value has 30 (level 1 reaching past value's end: not
-    validated on the GPU), and what the kernels must give for it: a level not inside value's rows contributes
-    nothing (kernels._level_inside), so the reference on level 0 alone, with zero gradients for level 1."""
-    wrong = dict(inputs, spatial_shapes=torch.tensor([[6, 4], [4, 4]], device=inputs["value"].device),
-                 level_start_index=torch.tensor([0, 24], device=inputs["value"].device))
-    level_0 = dict(wrong, value=inputs["value"][:, :24], spatial_shapes=wrong["spatial_shapes"][:1],
-                   level_start_index=wrong["level_start_index"][:1],
-                   sampling_locations=inputs["sampling_locations"][:, :, :, :1],
-                   attention_weights=inputs["attention_weights"][:, :, :, :1])
-    return wrong, level_0
 
 
 def test_a_level_outside_value_contributes_nothing():

@@ -12,7 +12,8 @@ turns itself off).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -1,4 +1,5 @@
-"""``python benchmarks/native_adds_emulated.py`` (CPU): how far grad_value would err if some levels added natively.
+"""``python experiments/native_adds_emulated.py`` (from packages/msda-benchmarks) (CPU): how far grad_value would
+err if some levels added natively.
 
 For the decoder B4 Q300 (both location distributions), every in-map corner contribution a * w * g is computed in
 float64 from the half-precision inputs; the exact sum is the reference. Native adds are emulated as the GPU does

@@ -1,4 +1,5 @@
-"""``python benchmarks/decoder_host_time.py`` (GPU): host time of the decoder B4 Q300 op called from Python.
+"""``python experiments/decoder_host_time.py`` (from packages/msda-benchmarks) (GPU): host time of the decoder B4
+Q300 op called from Python.
 
 The launch replay on and off by turns (msda_triton.replay.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
 and a torch.profiler breakdown of forward+grad, and torch.compile's figure beside eager's (BENCHMARKS.md, "The

@@ -1,4 +1,5 @@
-"""``python benchmarks/accumulation_accuracy.py`` (GPU): grad_value's error over max|ref| against float64
+"""``python experiments/accumulation_accuracy.py`` (from packages/msda-benchmarks) (GPU): grad_value's error over
+max|ref| against float64
 grid_sample, per accumulation path (auto, fp32, native), decoder B4 Q300 and encoder B2 in both location
 distributions, with the most contributions one element receives (K) and whether the default passes its
 tolerance entry (BENCHMARKS.md, "Accumulation paths")."""
