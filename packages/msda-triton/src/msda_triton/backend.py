@@ -2,7 +2,7 @@
 ``msda::_triton_backward``. While torch.compile or torch.export trace a call, the backend calls those ops and every
 launch goes through ``torch.library.wrap_triton``, so Inductor and AOTInductor compile the kernels into their own
 code. An eager call on real tensors runs the same bodies directly, skipping the custom op's dispatch, whose host
-time a decoder-sized call feels (BENCHMARKS.md, "Host time after the op-layer rebuild"), on CUDA tensors, or on
+time a decoder-sized call feels (BENCHMARKS.md, "The decoder call from Python"), on CUDA tensors, or on
 CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 (how CI runs the real kernels without a GPU).
 
 Each launch site (launch_forward, fixed_point_maxima, launch_backward, finish_fixed_point) hands its kernel, its

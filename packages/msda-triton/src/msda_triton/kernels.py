@@ -19,7 +19,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": True}
 def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bool = False,
                   half_atomics: bool = False) -> tuple:
     """(the kernel's block constexprs, num_warps). The channel block covers D up to 64; the backward loops over
-    channel blocks. Chosen by timing CUDA-graph replays on the H200 (``python -m msda_triton.tune``; the figures
+    channel blocks. Chosen by timing CUDA-graph replays on the H200 (``python -m msda_benchmarks.tune``; the figures
     are in BENCHMARKS.md, "Launch rules"):
     - forward, many rows: 32 rows on 4 warps (8 from D > 32), head-major (_block_rows), one point per step;
     - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
