@@ -2,6 +2,10 @@
 
 import pytest
 import torch
+from msda_core import compat
+
+# As a user's first line: mmcv._ext (mmcv-lite has none) is msda's stand-in before anything imports mmcv.ops.
+compat.install_extension_shim(mmcv=True)
 
 # The models are tiny: with several threads, OpenMP's waiting on this shared 2-core machine made a 0.1 ms op take
 # 30 ms (a Deformable DETR step 2.5 s instead of 0.05 s).
