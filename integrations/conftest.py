@@ -24,8 +24,8 @@ def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
     terminalreporter.section("msda patched against each library's own PyTorch path (float64, CPU)")
-    terminalreporter.write_line(f"{'model':<20} {'mechanism':<18} {'output err':>11} {'grad err':>10} {'calls':>6} "
+    terminalreporter.write_line(f"{'model':<30} {'mechanism':<18} {'output err':>11} {'grad err':>10} {'calls':>6} "
                                 f"{'min knot dist':>14}")
     for name, r in RESULTS.items():
-        terminalreporter.write_line(f"{name:<20} {'+'.join(r.mechanisms):<18} {r.output_error:>11.2e} "
+        terminalreporter.write_line(f"{name:<30} {'+'.join(r.mechanisms):<18} {r.output_error:>11.2e} "
                                     f"{r.gradient_error:>10.2e} {r.calls:>6} {r.min_knot_distance:>14.2e}")
