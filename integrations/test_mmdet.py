@@ -36,7 +36,9 @@ def build(config: str):
     cfg.num_queries = 20
     if "dn_cfg" in cfg:
         cfg.dn_cfg.group_cfg.num_dn_queries = 10
+    torch.manual_seed(0)  # what randomize() leaves alone (embeddings, level_embed) is drawn from the global generator
     model = MODELS.build(cfg)
+    model.init_weights()  # mmdet's own: level_embed is uninitialized memory until then
     model.double().train()
     randomize(model)
     return model
