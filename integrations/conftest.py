@@ -30,7 +30,7 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
-    terminalreporter.section("msda patched against each library's own PyTorch path (float64, CPU)")
+    terminalreporter.section("msda against each library's PyTorch path (shims: the float64 reference), float64, CPU")
     terminalreporter.write_line(f"{'model':<30} {'mechanism':<18} {'output err':>11} {'grad err':>10} {'calls':>6} "
                                 f"{'min knot dist':>14}")
     for name, r in RESULTS.items():

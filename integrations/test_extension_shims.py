@@ -12,13 +12,13 @@ import msda_core
 import msda_testkit as kit
 import pytest
 import torch
-from equivalence import Recording
+from equivalence import Recording, Result
 from msda_core import compat
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
 
 
-def _check_function(function, *extra):
+def _check_function(function, *extra) -> Result:
     """``function.apply(value, shapes, starts, locations, weights, *extra)`` and its three gradients against the
     reference, with msda's calls counted: a call that did not reach msda would count none."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float64)
@@ -28,12 +28,13 @@ def _check_function(function, *extra):
         output = function.apply(*(leaves[arg] for arg in kit.ARGUMENTS), *extra)
         grads = torch.autograd.grad(output, [leaves[k] for k in kit.DIFFERENTIABLE], kit.grad_output_for(inputs))
     assert (recording.calls, recording.backward_calls) == (1, 1)
-    kit.assert_close("output", output, expected["output"], FORWARD)
-    for name, grad in zip(kit.GRAD_NAMES, grads):
-        kit.assert_close(name, grad, expected[name], GRADIENT)
+    output_error = kit.assert_close("output", output, expected["output"], FORWARD).max_rel_err
+    gradient_error = max(kit.assert_close(name, grad, expected[name], GRADIENT).max_rel_err
+                         for name, grad in zip(kit.GRAD_NAMES, grads))
+    return Result(["shim"], output_error, gradient_error, recording.calls, recording.min_knot_distance)
 
 
-def test_mmcv_ext_is_msda_and_mmcv_ops_imports():
+def test_mmcv_ext_is_msda_and_mmcv_ops_imports(record):
     import mmcv
     import mmcv.ops
     from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
@@ -43,7 +44,7 @@ def test_mmcv_ext_is_msda_and_mmcv_ops_imports():
     assert ext.ms_deform_attn_backward is compat._mmcv_ms_deform_attn_backward
     # mmcv's own Function (its CUDA branch's code, here on CPU tensors): forward, then a backward that allocates
     # three zero tensors and has ext_module fill them in place
-    _check_function(MultiScaleDeformableAttnFunction, 64)
+    record(f"mmcv {mmcv.__version__} Function", _check_function(MultiScaleDeformableAttnFunction, 64))
     assert isinstance(mmcv.ops.MultiScaleDeformableAttention(embed_dims=32, num_heads=2),
                       mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention)  # mmcv's class, kept
 
@@ -84,8 +85,9 @@ class _BEVFormerFunction(torch.autograd.Function):
         return grad_value, None, None, grad_locations, grad_weights, None
 
 
-def test_bevformer_function_runs_on_the_mmcv_shim():
-    _check_function(_BEVFormerFunction, 64)
+def test_bevformer_function_runs_on_the_mmcv_shim(record):
+    import mmcv
+    record(f"BEVFormer-style on mmcv {mmcv.__version__}", _check_function(_BEVFormerFunction, 64))
 
 
 class _GroundingDinoFunction(torch.autograd.Function):
@@ -120,16 +122,16 @@ def fresh_modules(monkeypatch):
         del sys.modules[name]
 
 
-def test_groundingdino_c_installed_without_its_build(tmp_path, monkeypatch, fresh_modules):
+def test_groundingdino_c_installed_without_its_build(tmp_path, monkeypatch, fresh_modules, record):
     """GroundingDINO installed from source with its CUDA build skipped: the package, no ``_C``."""
     (tmp_path / "groundingdino").mkdir()
     (tmp_path / "groundingdino" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert compat.install_extension_shim(groundingdino=True) == ["MultiScaleDeformableAttention", "groundingdino._C"]
-    _check_function(_GroundingDinoFunction, 64)
+    record("GroundingDINO _C", _check_function(_GroundingDinoFunction, 64))
 
 
-def test_a_broken_build_is_replaced_with_a_warning_naming_its_error(tmp_path, monkeypatch, fresh_modules):
+def test_a_broken_build_is_replaced_with_a_warning_naming_its_error(tmp_path, monkeypatch, fresh_modules, record):
     """Installed compiled modules that fail to import, as a build for another torch or CUDA does: real files on a
     tmp sys.path, raising on import the errors such builds raise."""
     (tmp_path / "groundingdino").mkdir()
@@ -147,7 +149,7 @@ def test_a_broken_build_is_replaced_with_a_warning_naming_its_error(tmp_path, mo
                for m in messages), messages
     assert any("groundingdino._C is installed but does not import (ImportError: _C.so: undefined symbol" in m
                for m in messages), messages
-    _check_function(_GroundingDinoFunction, 64)
+    record("broken groundingdino._C", _check_function(_GroundingDinoFunction, 64))
     import MultiScaleDeformableAttention as MSDA
     assert MSDA.ms_deform_attn_backward is compat._ms_deform_attn_backward
 
