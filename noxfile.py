@@ -159,14 +159,13 @@ INTEGRATIONS_OLDER_TESTS = ("test_ultralytics.py", "test_extension_shims.py", "t
 def integrations(session):
     """msda on real transformers, ultralytics and mmdet models and on the extension shims, float64 on the CPU
     (integrations/), then again on the older releases its tests also cover; its GPU test skips without CUDA."""
-    pytest = ("pytest", "-q", "-rs")
+    pytest = ("pytest", "-q", "-rs", "-n", "2")
     session.install("--no-compile", *INTEGRATIONS_TORCH)  # no .pyc for all of torch: Python compiles what is imported
     session.install("--no-compile", *INTEGRATIONS_LIBRARIES, "pytest", "pytest-xdist", "tabulate", "setuptools>=70.1",
                     "onnxscript", "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
-    session.run(*pytest, "-n", "2", "integrations", *session.posargs)
+    session.run(*pytest, "integrations", *session.posargs)
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "mmcv-lite")
     session.install("setuptools<80")
     session.install("--no-compile", "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
-    # in one process: 31 s, where two workers took 69 s (each imports torch, mmcv and transformers for 10 tests)
     session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)
