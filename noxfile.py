@@ -1,4 +1,5 @@
-"""Sessions. CI (.ci/run) runs lint, packages, cpu and compile_ptx; the rest need a GPU machine or an explicit call.
+"""Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx and integrations; the rest need a GPU machine or an
+explicit call.
 
 - lint: ruff on the whole tree (ruff.toml).
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
@@ -12,7 +13,9 @@
 - gpu, verify, distributed: on a CUDA machine, offline, with that machine's torch and Triton (the full suite,
   the five-stage verification, DDP and FSDP2 on two GPUs with NCCL).
 - report, bench: every backend on every case (errors and times), and the timing tables (msda-benchmarks).
-- integrations: msda_core.patch on real transformers and ultralytics models (needs torch 2.14.1 and torchvision).
+- integrations: msda_core.patch, the extension shims and the kernels layer on real transformers, ultralytics,
+  rfdetr and mmdet models (torch 2.14.1 and torchvision), then on older releases: ultralytics 8.3, mmcv 1.7,
+  transformers 5.22 with kernels.
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here). The sessions
 run on the Python that runs nox: CI's is 3.11, the one version the packages claim (requires-python >=3.11).
@@ -25,7 +28,7 @@ import sys
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx"]
+nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx", "integrations"]
 
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
 PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit", "msda-benchmarks")
@@ -153,16 +156,29 @@ def bench(session):
     session.run("python", "-m", "msda_benchmarks.overhead", "--calls", "500")  # the host floor, from the same run
 
 
-# PyPI's torchvision, which ultralytics needs, does not import beside torch 2.13.0: these two are a pair.
+# PyPI's torchvision, which ultralytics and mmcv.ops need, does not import beside torch 2.13.0: these two are a pair.
 INTEGRATIONS_TORCH = ("torch==2.14.1", "torchvision==0.29.1")
-INTEGRATIONS_LIBRARIES = ("transformers==5.24.0", "ultralytics==8.4.190", "rfdetr==1.11.2")  # what integrations/ read
+INTEGRATIONS_LIBRARIES = ("transformers==5.24.0", "ultralytics==8.4.190",  # the versions integrations/ was read from
+                          "rfdetr==1.11.2", "mmdet==3.3.0", "mmcv-lite==2.1.0",  # mmdet 3.3 refuses mmcv 2.2
+                          "mmengine==0.10.7")
+# The second pass: older releases over the first pass's. mmcv 1.7.2 (BEVFormer's lineage) is an sdist built with no
+# ops (its setup.py needs pkg_resources); transformers 5.22.2 is the newest that accepts kernels 0.17.2, the newest
+# kernels on PyPI (5.23 and later ask for kernels >= 0.18.2).
+INTEGRATIONS_OLDER = ("ultralytics==8.3.253", "mmcv==1.7.2", "transformers==5.22.2", "kernels==0.17.2")
+INTEGRATIONS_OLDER_TESTS = ("test_ultralytics.py", "test_extension_shims.py", "test_kernels.py")
 
 
 @nox.session
 def integrations(session):
-    """msda_core.patch on real transformers and ultralytics models, float64 on the CPU (integrations/); its GPU test
-    skips without CUDA."""
-    session.install(*INTEGRATIONS_TORCH)
-    session.install(*INTEGRATIONS_LIBRARIES, "pytest", "tabulate", "setuptools>=77", "onnxscript", "onnxruntime")
+    """msda on real transformers, ultralytics and mmdet models and on the extension shims, float64 on the CPU
+    (integrations/), then again on the older releases its tests also cover; its GPU test skips without CUDA."""
+    pytest = ("pytest", "-q", "-rs", "-n", "2")
+    session.install("--no-compile", *INTEGRATIONS_TORCH)  # no .pyc for all of torch: Python compiles what is imported
+    session.install("--no-compile", *INTEGRATIONS_LIBRARIES, "pytest", "pytest-xdist", "tabulate", "setuptools>=77",
+                    "onnxscript", "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
-    session.run("pytest", "-q", "-rs", "integrations", *session.posargs)
+    session.run(*pytest, "integrations", *session.posargs)
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "mmcv-lite")
+    session.install("setuptools<80")
+    session.install("--no-compile", "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
+    session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)

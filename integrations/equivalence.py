@@ -30,17 +30,18 @@ KNOT_DISTANCE = 1e-12
 
 
 class Recording:
-    """A backend named "recording": the gather backend, counting its calls and the smallest distance of an in-map
-    sample from a pixel knot. Registered for the test's duration."""
+    """A backend named "recording": the gather backend, counting its forward and backward calls and the smallest
+    distance of an in-map sample from a pixel knot. Registered for the test's duration."""
 
     name = "recording"
 
     def __init__(self):
-        self.calls, self.min_knot_distance = 0, float("inf")
+        self.calls, self.backward_calls, self.min_knot_distance = 0, 0, float("inf")
 
     def __enter__(self):
         gather = msda_core.backends()["gather"]
-        msda_core.register(dataclasses.replace(gather, name=self.name, forward=self._forward, auto_devices=frozenset()))
+        msda_core.register(dataclasses.replace(gather, name=self.name, forward=self._forward, backward=self._backward,
+                                               auto_devices=frozenset()))
         self._gather = gather
         return self
 
@@ -58,6 +59,10 @@ class Recording:
                     distance = torch.minimum((x - x.round()).abs(), (y - y.round()).abs())[inside].min().item()
                     self.min_knot_distance = min(self.min_knot_distance, distance)
         return self._gather.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+    def _backward(self, *args):
+        self.backward_calls += 1
+        return self._gather.backward(*args)
 
 
 def randomize(model: nn.Module, seed: int = 0) -> None:

@@ -104,7 +104,12 @@ def _parameters(original) -> list:
     a function's or a functools.partial's (its keywords become defaults)."""
     if isinstance(original, type) and issubclass(original, torch.autograd.Function):
         return list(inspect.signature(original.forward).parameters.values())[1:]
-    return list(inspect.signature(original.apply if isinstance(original, type) else original).parameters.values())
+    return list(inspect.signature(_entry(original)).parameters.values())
+
+
+def _entry(original):
+    """What calling ``original`` runs: a class (an autograd Function) is called through its ``apply``."""
+    return original.apply if isinstance(original, type) else original  # type: ignore[attr-defined]
 
 
 def _form(original, label: str):
@@ -140,7 +145,7 @@ class _Counted:
         if reason:
             if counting:
                 self.fallbacks, self.fallback_reason = self.fallbacks + 1, reason
-            return (self.original.apply if isinstance(self.original, type) else self.original)(*args, **kwargs)
+            return _entry(self.original)(*args, **kwargs)
         if counting:
             self.calls += 1
         device = None if self.cast is None else (args[0] if args else kwargs["value"]).device.type

@@ -11,15 +11,24 @@ import math
 import torch
 from msda_core import Backend
 
+from .grid_sample import compute_dtype
+
 MAX_WORK = 200_000  # B*Q*M*L*P*D sampled channels; beyond this the loops take seconds
 
 
-def _corners(loc_x: float, loc_y: float, H: int, W: int):
-    """Pixel coordinates, fractions and the four corners (row, col, weight) in order 00, 01, 10, 11.
+def _coordinates(value, spatial_shapes, sampling_locations) -> list:
+    """Pixel coordinates x = loc_x * W - 0.5, y = loc_y * H - 0.5 (align_corners=False), (B, Q, M, L, P, 2) as
+    Python floats, rounded as the other backends and the compiled extension round them: in the op's compute
+    precision (fp32 for fp32 inputs), a product then a difference. So on a knot, and next to one, every backend
+    takes the same corners (msda_testkit.knots); the rest of the loops is float64."""
+    dtype = compute_dtype(value, sampling_locations)
+    size = spatial_shapes.flip(-1).to(dtype).reshape(1, 1, 1, -1, 1, 2)  # (W, H) per level
+    return (sampling_locations.to(dtype) * size - 0.5).double().tolist()
 
-    x = loc_x * W - 0.5 (align_corners=False); a corner outside the map has row/col None (zeros padding).
-    """
-    x, y = loc_x * W - 0.5, loc_y * H - 0.5
+
+def _corners(x: float, y: float, H: int, W: int):
+    """Fractions and the four corners (row, col, weight) in order 00, 01, 10, 11 of the sample at pixel
+    coordinates (x, y); a corner outside the map has row/col None (zeros padding)."""
     x0, y0 = math.floor(x), math.floor(y)
     fx, fy = x - x0, y - y0
     corners = []
@@ -42,7 +51,7 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     v = value.double().tolist()
-    loc = sampling_locations.double().tolist()
+    loc = _coordinates(value, spatial_shapes, sampling_locations)
     att = attention_weights.double().tolist()
     levels = _levels(spatial_shapes, level_start_index)
     out = [[[[0.0] * D for _ in range(M)] for _ in range(Q)] for _ in range(B)]
@@ -52,11 +61,11 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
                 acc = out[b][q][m]
                 for l, (H, W, start) in enumerate(levels):
                     for p in range(P):
-                        (lx, ly), a = loc[b][q][m][l][p], att[b][q][m][l][p]
-                        if not _finite(lx, ly):  # grid_sample's convention: the sample is NaN
+                        (x, y), a = loc[b][q][m][l][p], att[b][q][m][l][p]
+                        if not _finite(x, y):  # grid_sample's convention: the sample is NaN
                             acc[:] = [math.nan] * D
                             continue
-                        _, _, corners = _corners(lx, ly, H, W)
+                        _, _, corners = _corners(x, y, H, W)
                         for pixel, weight in corners:
                             if pixel is not None:
                                 row = v[b][start + pixel][m]
@@ -70,7 +79,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     v = value.double().tolist()
-    loc = sampling_locations.double().tolist()
+    loc = _coordinates(value, spatial_shapes, sampling_locations)
     att = attention_weights.double().tolist()
     g_all = grad_output.double().reshape(B, Q, M, D).tolist()
     levels = _levels(spatial_shapes, level_start_index)
@@ -85,12 +94,12 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
                 g = g_all[b][q][m]
                 for l, (H, W, start) in enumerate(levels):
                     for p in range(P):
-                        (lx, ly), a = loc[b][q][m][l][p], att[b][q][m][l][p]
-                        if not _finite(lx, ly):
+                        (x, y), a = loc[b][q][m][l][p], att[b][q][m][l][p]
+                        if not _finite(x, y):
                             g_att[b][q][m][l][p] = math.nan
                             g_loc[b][q][m][l][p] = [math.nan, math.nan]
                             continue
-                        fx, fy, corners = _corners(lx, ly, H, W)
+                        fx, fy, corners = _corners(x, y, H, W)
                         v00, v01, v10, v11 = (v[b][start + px][m] if px is not None else zero for px, _ in corners)
                         def dot(u):
                             return sum(gd * ud for gd, ud in zip(g, u))

@@ -1,0 +1,59 @@
+"""msda as a layer for Hugging Face's ``kernels`` package, in place of transformers' ``MultiScaleDeformableAttention``.
+
+transformers 5.x decorates its parameter-free ``MultiScaleDeformableAttention`` with
+``use_kernel_forward_from_hub("MultiScaleDeformableAttention")``, and ``kernels.kernelize`` swaps in, per module, the
+forward of the layer a kernel mapping names for that layer name. kernels accepts only a stateless layer (no
+``__init__``, no members of its own), so this one holds nothing: the backend is chosen as for any call
+(``use_backend``, ``MSDA_BACKEND``). ``mapping()`` registers it from this process, with no hub access::
+
+    from kernels import Mode, kernelize, use_kernel_mapping
+    with use_kernel_mapping(msda_core.hub.mapping()):
+        model = kernelize(model, mode=Mode.TRAINING, device="cuda")
+
+This module imports torch only; the caller imports kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import run_op
+
+LAYER_NAME = "MultiScaleDeformableAttention"  # transformers' hub layer name
+
+
+class MultiScaleDeformableAttention(torch.nn.Module):
+    """The stateless layer: transformers' forward signature, run by ``torch.ops.msda.deform_attn``."""
+
+    can_torch_compile = True  # kernels' flags: the op compiles, and has its own backward
+    has_backward = True
+
+    def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
+                attention_weights, im2col_step):
+        """(B, Q, M*D); im2col_step is ignored. The tensor of shapes is used (it is on the device)."""
+        shapes = value_spatial_shapes if value_spatial_shapes is not None else value_spatial_shapes_list
+        return run_op(value, shapes, level_start_index, sampling_locations, attention_weights)
+
+
+class Repository:
+    """A repository as kernels' mapping takes one (``load()`` returns the layer class), local to this process."""
+
+    layer_name = LAYER_NAME
+
+    def load(self) -> type:
+        return MultiScaleDeformableAttention
+
+    def __eq__(self, other) -> bool:  # kernels memoizes loaded layers by repository, and copies its mappings
+        return isinstance(other, Repository)
+
+    def __hash__(self) -> int:
+        return hash(Repository)
+
+    def __str__(self) -> str:
+        return "msda_core.hub.Repository"
+
+
+def mapping(devices=("cpu", "cuda")) -> dict:
+    """A kernel mapping (``kernels.use_kernel_mapping`` / ``register_kernel_mapping``): transformers' layer name to
+    msda on each device type, in every mode."""
+    return {LAYER_NAME: {device: Repository() for device in devices}}
