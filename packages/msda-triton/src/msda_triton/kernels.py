@@ -7,13 +7,21 @@ forward while every tensor has fewer than 2^30 elements (WIDE, backend.needs_int
 All arithmetic is fp32 whatever the storage dtype.
 """
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FEW_ROWS = 2 ** 17  # B*Q*M rows below which the forward takes small blocks (launch_config)
 # Compile options of every launch. FP fusion (a*b+c as one FMA, rounded once) is what the kernels were timed and
 # their tolerances measured with; Triton 3.6-3.9 enable it by default and 3.10 will not, so it is asked for.
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
+# A sample's pixel coordinate is loc * W - 0.5 rounded twice, as the CUDA extension computes it, so that at a
+# bilinear knot every backend takes the same corners (README, "Knots"). Fusion would round it once: the
+# product is made with libdevice's mul_rn, which is never fused. Triton's interpreter has no mul_rn, and numpy
+# never fuses, so there the plain product is the same number.
+ROUNDED_PRODUCT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bool = False,
@@ -89,8 +97,12 @@ def _corners(loc_x, loc_y, H, W, start, ok):
     count them as written (its results feed store addresses)."""
     Wf = W.to(tl.float32)
     Hf = H.to(tl.float32)
-    x = loc_x * Wf - 0.5  # align_corners=False: pixel centres at integer + 0.5 in normalized units
-    y = loc_y * Hf - 0.5
+    if ROUNDED_PRODUCT:  # align_corners=False: pixel centres at integer + 0.5 in normalized units
+        x = libdevice.mul_rn(loc_x, Wf) - 0.5
+        y = libdevice.mul_rn(loc_y, Hf) - 0.5
+    else:
+        x = loc_x * Wf - 0.5
+        y = loc_y * Hf - 0.5
     finite = (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
     safe = (x >= -1.0) & (x < Wf) & (y >= -1.0) & (y < Hf) & ok
     x = tl.where(safe, x, 0.0)
