@@ -6,13 +6,21 @@ weighted sum of T = 4*L*P rows, the corners of its samples (its taps). The forwa
 each tap to take their dot products with grad_output, from which the weight and location gradients
 follow, and computes grad_value as the same sum transposed: the taps sorted stably by row, then one
 ``embedding_bag`` over grad_output's rows. Every sum runs in a fixed order, so the backward is bitwise
-reproducible. Half inputs are computed in float32.
+reproducible. Half inputs are computed in float32 (BENCHMARKS.md, "CPU", says why ``value`` is converted whole).
+
+Off-map corners read a row of ``value`` that holds no inf or NaN, with weight 0: an inf or NaN pixel off the
+map changes nothing, as in the other backends. A non-finite location or attention weight
+makes its output row NaN (README, "Non-finite inputs"). Small eager calls run on one thread: their
+elementwise work is too short to gain from a second, and waits milliseconds for it when the other core is
+busy.
 
 Tensor operations only, reading no tensor's values on the host, so tracing (torch.compile, export) sees
 all of it. Every corner row lies within value's rows of its own (b, m), whatever the level table says.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +29,11 @@ from msda_core import Backend
 from . import grid_sample
 
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
-_FAR = 2.0 ** 24  # huge coordinates are clamped here: off the map, and exact in float32
+_FINITE_SEARCH = 1024  # off-map taps read the first row of value's first this many that is finite
+_EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
+_INT32_LIMIT = 2 ** 31  # counts and indices at or past this need int64
+# Eager calls of fewer taps than this run on one thread (BENCHMARKS.md, "CPU": a decoder call has 153K).
+_ONE_THREAD_TAPS = 1 << 20
 # Eager mode works through the query rows in chunks of about this many taps, so that temporaries of a few
 # MB stay in cache instead of being freshly mapped and faulted in (BENCHMARKS.md, "CPU"); the
 # corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
@@ -38,6 +50,26 @@ def _chunks(rows: int, taps_per_row: int, taps_per_chunk: int) -> list:
     return [(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
+def _index_dtype(n: int) -> torch.dtype:
+    """The integer dtype for indices and counts up to n."""
+    return torch.int32 if n < _INT32_LIMIT else torch.int64
+
+
+@contextlib.contextmanager
+def _sized_threads(taps: int):
+    """One intra-op thread for a small eager call, restored after. torch's CPU builds run ops on OpenMP, whose
+    thread count belongs to the calling thread: other threads' calls keep theirs."""
+    threads = 1 if torch.compiler.is_compiling() or taps >= _ONE_THREAD_TAPS else torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _per_sample(per_level, P):
     """(..., L) -> (..., L*P): each level's entry repeated for its P points."""
     return per_level[..., None].expand(*per_level.shape, P).flatten(-2)
@@ -46,17 +78,17 @@ def _per_sample(per_level, P):
 class _Taps:
     """The taps of a chunk of C query rows (C*M outputs), in the order (output, corner (dy, dx), sample).
 
-    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D). ``axis`` (C*M, 2 corners, 2 axes (x, y),
-    L*P): each corner's bilinear weight along each axis, 0 off the map; ``off_map``: 0 on the map, >= 1 off
-    it. A non-finite location's corners are off the map; ``nan`` (C*M, L*P) is NaN there, else 0, for the
-    results that must be NaN (its sample, its gradients).
+    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D), row ``finite_row`` for a corner off the map.
+    ``axis`` (C*M, 2 corners, 2 axes (x, y), L*P): each corner's bilinear weight along each axis, 0 off the map.
+    A non-finite location's corners are off the
+    map; ``nan`` (C*M, L*P) is NaN there, else 0, for the results that must be NaN (its sample, its gradients).
 
     Every operation runs over contiguous blocks of L*P samples with per-level constants expanded to
     (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, runs
     several times slower per element on the CPU."""
 
-    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype):
-        _, S, M, _ = value_shape
+    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype, finite_row):
+        B, S, M, _ = value_shape
         C, _, L, P, _ = locations.shape
         R, LP = C * M, L * P
         self.size = _per_sample(spatial_shapes.flip(-1).t().to(dtype), P)  # (2 axes, LP): W, then H
@@ -65,18 +97,23 @@ class _Taps:
         xy = locations.new_empty((R, 2, LP), dtype=dtype).copy_(locations.reshape(R, LP, 2).transpose(1, 2))
         xy.mul_(self.size).sub_(0.5)  # align_corners=False
         self.nan = (xy - xy).sum(1)
-        frac = xy.nan_to_num_(_OFF_MAP, _OFF_MAP, _OFF_MAP).clamp_(_OFF_MAP, _FAR)
+        frac = xy.nan_to_num_(_OFF_MAP, _OFF_MAP, _OFF_MAP)
         low = frac.floor()
         frac.sub_(low)
+        # Corner coordinates in a dtype that holds every integer up to S, so also every pixel of every level
+        exact = dtype if S < _EXACT_INTEGERS[dtype] else torch.float64
+        low = low.to(exact)
         corner = torch.stack((low, low), 1)  # (R, 2 corners, 2 axes, LP): low, then low + 1
         corner[:, 1].add_(1)
-        index = torch.minimum(corner, self.size - 1).clamp_(min=0)
-        self.off_map = corner.sub_(index).abs_()
+        index = torch.minimum(corner, _per_sample(spatial_shapes.flip(-1).t().to(exact), P) - 1).clamp_(min=0)
+        self.off_map = corner.sub_(index).abs_().to(dtype)
         # the weight (1 - frac, frac) where the corner is on the map; off it, off_map >= 1 >= the weight
         self.axis = torch.stack((frac, frac), 1)
         self.axis[:, 0].neg_().add_(1)
         self.axis.sub_(self.off_map).clamp_(min=0)
-        index_dtype = torch.int32 if value_shape[0] * S * M < 2 ** 31 else torch.int64
+        off_x, off_y = self.off_map.unbind(2)  # (R, 2 corners, LP)
+        off_tap = (off_y[:, :, None] + off_x[:, None]).view(R, 4, LP) > 0
+        index_dtype = _index_dtype(B * S * M)
         index = index.to(index_dtype)
         col, row = index[:, :, 0], index[:, :, 1]  # (R, 2 corners, LP)
         row_start = torch.mul(row, _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
@@ -84,36 +121,48 @@ class _Taps:
         pixel = (row_start[:, :, None] + col[:, None]).view(R, 4, LP)
         pixel = pixel.clamp_(0, S - 1).view(C, M, 4 * LP)  # a wrong level table still reads this (b, m)'s rows
         head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
-        self.rows = pixel.mul_(M).add_(head).view(R, 4, LP)
+        self.rows = pixel.mul_(M).add_(head).view(R, 4, LP).masked_fill_(off_tap, finite_row)
 
     def weights(self, attention_weights):
         """(C*M, 4, L*P): each tap's attention weight times its bilinear weight."""
         wx, wy = self.axis[:, :, 0], self.axis[:, :, 1]
-        a = attention_weights.view(wx.shape[0], 1, -1)
+        a = attention_weights.reshape(wx.shape[0], 1, -1)
         return ((a * wy)[:, :, None] * wx[:, None]).view(wx.shape[0], 4, -1)
 
 
 def _flat(value, sampling_locations, attention_weights, dtype):
     """value as (B*S*M, D) rows in ``dtype``; locations and weights with one leading dimension of B*Q query rows;
-    the batch index of each query row."""
+    the batch index of each query row; the row off-map taps read (_finite_row)."""
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    return (value.to(dtype).reshape(B * S * M, D), sampling_locations.reshape(B * Q, M, L, P, 2),
+    table = value.to(dtype).reshape(B * S * M, D)
+    return (table, sampling_locations.reshape(B * Q, M, L, P, 2),
             attention_weights.to(dtype).reshape(B * Q, M * L * P),
-            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q))
+            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q), _finite_row(table, S * M))
+
+
+def _finite_row(table, rows_per_batch):
+    """The first row of ``table`` with no inf or NaN among the first _FINITE_SEARCH of batch 0 (row 0 if none is):
+    off-map taps read it with weight 0, and 0 * inf would be NaN. (Batch 0's rows: a size tracing knows.)"""
+    finite = torch.isfinite(table[:min(_FINITE_SEARCH, rows_per_batch)]).all(1).to(torch.uint8)
+    return torch.cat((finite, finite.new_zeros(1))).argmax().to(_index_dtype(table.shape[0]))
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_row = _flat(value, sampling_locations, attention_weights, dtype)
     out = []
-    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
-        R = taps.rows.shape[0]
-        tap_weights = taps.weights(weights[start:end].view(R, -1) + taps.nan).view(R, -1)  # non-finite: NaN
-        out.append(F.embedding_bag(taps.rows.view(R, -1), table, mode="sum", per_sample_weights=tap_weights))
+    with _sized_threads(B * Q * M * 4 * L * P):
+        for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+            taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
+                         dtype, finite_row)
+            R = taps.rows.shape[0]
+            a = weights[start:end].reshape(R, -1)
+            tap_weights = taps.weights(a).view(R, -1)
+            sums = F.embedding_bag(taps.rows.view(R, -1), table, mode="sum", per_sample_weights=tap_weights)
+            out.append(sums.add_(taps.nan.add(a - a).sum(1, keepdim=True)))  # a non-finite location or weight: NaN
     return torch.cat(out).view(B, Q, M * D).to(value.dtype)
 
 
@@ -122,21 +171,23 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_row = _flat(value, sampling_locations, attention_weights, dtype)
     g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
     rows, tap_weights, grad_locations, grad_weights = [], [], [], []
-    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
-        a = weights[start:end]
-        rows.append(taps.rows.view(-1))
-        tap_weights.append(taps.weights(a).view(-1))
-        grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
-        # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
-        grad_locations.append(grad_xy * a.view(-1, 1, L * P) * taps.size + taps.nan[:, None])
-        grad_weights.append(grad_a + taps.nan)
-    grad_locations = torch.cat(grad_locations).transpose(1, 2)
-    grad_weights = torch.cat(grad_weights)
-    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
+    with _sized_threads(B * Q * M * 4 * L * P):
+        for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+            taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
+                         dtype, finite_row)
+            a = weights[start:end]
+            rows.append(taps.rows.view(-1))
+            tap_weights.append(taps.weights(a).view(-1))
+            grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
+            # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
+            grad_locations.append(grad_xy * a.reshape(-1, 1, L * P) * taps.size + taps.nan[:, None])
+            grad_weights.append(grad_a + taps.nan)
+        grad_locations = torch.cat(grad_locations).transpose(1, 2)
+        grad_weights = torch.cat(grad_weights)
+        grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
     return (grad_value.view(value.shape).to(value.dtype),
             grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype).contiguous(),
             grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
@@ -170,11 +221,13 @@ def _tap_dots(rows, table, g):
 
 def _transposed_sum(g, rows, weights, num_rows, T):
     """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j,
-    in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps weigh 0."""
+    in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps weigh 0. Counts and
+    offsets in int64 when there are 2^31 taps or more."""
     _, order = rows.sort(stable=True)
-    bag_of_tap = torch.div(order, T, rounding_mode="floor").to(rows.dtype)
-    counts = torch.zeros(num_rows, dtype=rows.dtype).index_add_(0, rows, torch.ones_like(rows))
-    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=rows.dtype)))
+    count_dtype = _index_dtype(rows.numel())
+    bag_of_tap = torch.div(order, T, rounding_mode="floor").to(count_dtype)
+    counts = torch.zeros(num_rows, dtype=count_dtype).index_add_(0, rows, torch.ones_like(rows, dtype=count_dtype))
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=count_dtype)))
     return F.embedding_bag(bag_of_tap, g, offsets, per_sample_weights=weights.index_select(0, order), mode="sum",
                            include_last_offset=True)
 
