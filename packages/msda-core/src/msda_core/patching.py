@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, registry
 from .nn import MSDeformAttn, MultiScaleDeformableAttention
 
 _V2 = "multi_scale_deformable_attention_v2"
@@ -179,7 +179,9 @@ class PatchReport:
         return self
 
     def __exit__(self, *exc) -> None:
-        unpatch(self.model)
+        model = self.model
+        if model is not None and _reports.get(model) is self:  # not when unpatched inside the block already
+            unpatch(model)
 
     def _restore(self) -> None:
         for module, attribute, original in reversed(self._undo):
@@ -285,6 +287,9 @@ def _patch_globals(report: PatchReport, name: str, module: nn.Module, namespace:
 def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> PatchReport:
     """Route every multi-scale deformable attention that ``model`` runs through msda, in place (the module
     docstring lists how, per family). Returns the report; ``strict=True`` raises when nothing matched."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    registry.check_name(backend)
     if model in _reports:
         raise ValueError(f"model: expected a model not patched yet, got a patched {type(model).__name__} "
                          f"(call msda_core.unpatch(model) first)")
