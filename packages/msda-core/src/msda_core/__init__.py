@@ -4,7 +4,7 @@ Importing this package registers the op. Backends come from other packages (msda
 msda-triton) through the ``msda.backends`` entry points.
 """
 
-from . import compat, nn
+from . import compat, nn, onnx  # onnx imports onnxscript only when its translation table is built
 from .op import deform_attn, output_shape
 from .patching import PatchReport, patch, unpatch
 from .registry import (
@@ -35,4 +35,4 @@ __all__ = [
     "Backend", "BackendUnavailableError", "Inputs", "Request", "backends", "deform_attn", "load_errors",
     "output_shape", "register", "request", "requested", "resolve", "resolve_backend", "unregister", "use_backend",
 ]
-__all__ += ["PatchReport", "compat", "nn", "patch", "unpatch"]
+__all__ += ["PatchReport", "compat", "nn", "onnx", "patch", "unpatch"]
