@@ -29,7 +29,7 @@ from msda_core import Backend
 from . import grid_sample
 
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
-_FINITE_SEARCH = 1024  # off-map taps read the first row of value's first this many that is finite
+_FINITE_SEARCH = 64  # off-map taps read the first pixel of value's first this many that is finite everywhere
 _EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 _INT32_LIMIT = 2 ** 31  # counts and indices at or past this need int64
 # Eager calls of fewer taps than this run on one thread (BENCHMARKS.md, "CPU": a decoder call has 153K).
@@ -78,7 +78,8 @@ def _per_sample(per_level, P):
 class _Taps:
     """The taps of a chunk of C query rows (C*M outputs), in the order (output, corner (dy, dx), sample).
 
-    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D), row ``finite_row`` for a corner off the map.
+    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D); a corner off the map reads pixel
+    ``finite_pixel`` of its head, with weight 0.
     ``axis`` (C*M, 2 corners, 2 axes (x, y), L*P): each corner's bilinear weight along each axis, 0 off the map.
     A non-finite location's corners are off the
     map; ``nan`` (C*M, L*P) is NaN there, else 0, for the results that must be NaN (its sample, its gradients).
@@ -87,7 +88,7 @@ class _Taps:
     (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, runs
     several times slower per element on the CPU."""
 
-    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype, finite_row):
+    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype, finite_pixel):
         B, S, M, _ = value_shape
         C, _, L, P, _ = locations.shape
         R, LP = C * M, L * P
@@ -111,17 +112,20 @@ class _Taps:
         self.axis = torch.stack((frac, frac), 1)
         self.axis[:, 0].neg_().add_(1)
         self.axis.sub_(self.off_map).clamp_(min=0)
-        off_x, off_y = self.off_map.unbind(2)  # (R, 2 corners, LP)
-        off_tap = (off_y[:, :, None] + off_x[:, None]).view(R, 4, LP) > 0
-        index_dtype = _index_dtype(B * S * M)
+        index_dtype = _index_dtype(2 * B * S * M)
+        # Each axis' off-map corners minus S: a tap's pixel is then negative when either of its corners is off
+        # the map, which integer steps turn into finite_pixel (bool masks would cost 10x as much here).
+        off = self.off_map.clamp(max=1).to(index_dtype).mul_(S)
         index = index.to(index_dtype)
-        col, row = index[:, :, 0], index[:, :, 1]  # (R, 2 corners, LP)
-        row_start = torch.mul(row, _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
-            _per_sample(level_start_index.to(index_dtype), P))
+        col = index[:, :, 0] - off[:, :, 0]  # (R, 2 corners, LP)
+        row_start = torch.mul(index[:, :, 1], _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
+            _per_sample(level_start_index.to(index_dtype), P)).sub_(off[:, :, 1])
         pixel = (row_start[:, :, None] + col[:, None]).view(R, 4, LP)
-        pixel = pixel.clamp_(0, S - 1).view(C, M, 4 * LP)  # a wrong level table still reads this (b, m)'s rows
+        pixel = pixel.clamp_(-1, S - 1)  # a wrong level table still reads this (b, m)'s rows
+        sign = pixel.bitwise_right_shift(torch.iinfo(index_dtype).bits - 1)  # -1 where negative, else 0
+        pixel.add_(sign.bitwise_and_(finite_pixel.to(index_dtype) + 1))  # -1 -> finite_pixel
         head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
-        self.rows = pixel.mul_(M).add_(head).view(R, 4, LP).masked_fill_(off_tap, finite_row)
+        self.rows = pixel.view(C, M, 4 * LP).mul_(M).add_(head).view(R, 4, LP)
 
     def weights(self, attention_weights):
         """(C*M, 4, L*P): each tap's attention weight times its bilinear weight."""
@@ -132,32 +136,32 @@ class _Taps:
 
 def _flat(value, sampling_locations, attention_weights, dtype):
     """value as (B*S*M, D) rows in ``dtype``; locations and weights with one leading dimension of B*Q query rows;
-    the batch index of each query row; the row off-map taps read (_finite_row)."""
+    the batch index of each query row; the pixel off-map taps read (_finite_pixel)."""
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     table = value.to(dtype).reshape(B * S * M, D)
     return (table, sampling_locations.reshape(B * Q, M, L, P, 2),
             attention_weights.to(dtype).reshape(B * Q, M * L * P),
-            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q), _finite_row(table, S * M))
+            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q), _finite_pixel(value))
 
 
-def _finite_row(table, rows_per_batch):
-    """The first row of ``table`` with no inf or NaN among the first _FINITE_SEARCH of batch 0 (row 0 if none is):
-    off-map taps read it with weight 0, and 0 * inf would be NaN. (Batch 0's rows: a size tracing knows.)"""
-    finite = torch.isfinite(table[:min(_FINITE_SEARCH, rows_per_batch)]).all(1).to(torch.uint8)
-    return torch.cat((finite, finite.new_zeros(1))).argmax().to(_index_dtype(table.shape[0]))
+def _finite_pixel(value):
+    """The first of value's first _FINITE_SEARCH pixels with no inf or NaN in any batch or head (pixel 0 if none
+    is): off-map taps read it with weight 0, and 0 * inf would be NaN."""
+    finite = torch.isfinite(value[:, :_FINITE_SEARCH]).all(3).all(2).all(0).to(torch.uint8)
+    return torch.cat((finite, finite.new_zeros(1))).argmax()
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch, finite_row = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype)
     out = []
     with _sized_threads(B * Q * M * 4 * L * P):
         for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
             taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
-                         dtype, finite_row)
+                         dtype, finite_pixel)
             R = taps.rows.shape[0]
             a = weights[start:end].reshape(R, -1)
             tap_weights = taps.weights(a).view(R, -1)
@@ -171,13 +175,13 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch, finite_row = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype)
     g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
     rows, tap_weights, grad_locations, grad_weights = [], [], [], []
     with _sized_threads(B * Q * M * 4 * L * P):
         for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
             taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
-                         dtype, finite_row)
+                         dtype, finite_pixel)
             a = weights[start:end]
             rows.append(taps.rows.view(-1))
             tap_weights.append(taps.weights(a).view(-1))
