@@ -6,13 +6,14 @@ weighted sum of T = 4*L*P rows, the corners of its samples (its taps). The forwa
 each tap to take their dot products with grad_output, from which the weight and location gradients
 follow, and computes grad_value as the same sum transposed: the taps sorted stably by row, then one
 ``embedding_bag`` over grad_output's rows. Every sum runs in a fixed order, so the backward is bitwise
-reproducible. Half inputs are computed in float32 (BENCHMARKS.md, "CPU", says why ``value`` is converted whole).
+reproducible. Half inputs are summed in float32: the forward reads a half ``value`` in place (``_bags``); the
+backward converts it to float32.
 
-Off-map corners read a row of ``value`` that holds no inf or NaN, with weight 0: an inf or NaN pixel off the
-map changes nothing, as in the other backends. A non-finite location or attention weight
-makes its output row NaN (README, "Non-finite inputs"). Small eager calls run on one thread: their
-elementwise work is too short to gain from a second, and waits milliseconds for it when the other core is
-busy.
+Off-map corners read, with weight 0, a pixel of ``value`` that holds no inf or NaN (the first of its first 64
+that is finite in every batch and head; pixel 0 if none is): an inf or NaN pixel off the map changes nothing,
+as in the other backends. A non-finite location or attention weight makes its output row NaN (README,
+"Non-finite inputs"). Small eager calls run on one thread: their elementwise work is too short to gain from a
+second, and waits milliseconds for it when the other core is busy.
 
 Tensor operations only, reading no tensor's values on the host, so tracing (torch.compile, export) sees
 all of it. Every corner row lies within value's rows of its own (b, m), whatever the level table says.
@@ -30,7 +31,7 @@ from . import grid_sample
 
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
 _FINITE_SEARCH = 64  # off-map taps read the first pixel of value's first this many that is finite everywhere
-_EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
+_EXACT_INTEGERS = {torch.float32: 2 ** 24, torch.float64: 2 ** 53}  # of the compute dtypes
 _INT32_LIMIT = 2 ** 31  # counts and indices at or past this need int64
 # Eager calls of fewer taps than this run on one thread (BENCHMARKS.md, "CPU": a decoder call has 153K).
 _ONE_THREAD_TAPS = 1 << 20
@@ -134,12 +135,12 @@ class _Taps:
         return ((a * wy)[:, :, None] * wx[:, None]).view(wx.shape[0], 4, -1)
 
 
-def _flat(value, sampling_locations, attention_weights, dtype):
-    """value as (B*S*M, D) rows in ``dtype``; locations and weights with one leading dimension of B*Q query rows;
-    the batch index of each query row; the pixel off-map taps read (_finite_pixel)."""
+def _flat(value, sampling_locations, attention_weights, dtype, table_dtype):
+    """value as (B*S*M, D) rows in ``table_dtype``; locations and weights with one leading dimension of B*Q query
+    rows, the weights in ``dtype``; the batch index of each query row; the pixel off-map taps read (_finite_pixel)."""
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    table = value.to(dtype).reshape(B * S * M, D)
+    table = value.to(table_dtype).reshape(B * S * M, D)
     return (table, sampling_locations.reshape(B * Q, M, L, P, 2),
             attention_weights.to(dtype).reshape(B * Q, M * L * P),
             torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q), _finite_pixel(value))
@@ -155,43 +156,68 @@ def _finite_pixel(value):
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype)
-    out = []
     with _sized_threads(B * Q * M * 4 * L * P):
-        for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-            taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
-                         dtype, finite_pixel)
-            R = taps.rows.shape[0]
-            a = weights[start:end].reshape(R, -1)
-            tap_weights = taps.weights(a).view(R, -1)
-            sums = F.embedding_bag(taps.rows.view(R, -1), table, mode="sum", per_sample_weights=tap_weights)
-            out.append(sums.add_(taps.nan.add(a - a).sum(1, keepdim=True)))  # a non-finite location or weight: NaN
-    return torch.cat(out).view(B, Q, M * D).to(value.dtype)
+        return _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
+    dtype = grid_sample.compute_dtype(value, sampling_locations)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype,
+                                                           value.dtype)
+    out = []
+    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype,
+                     finite_pixel)
+        R = taps.rows.shape[0]
+        a = weights[start:end].reshape(R, -1)
+        sums = _bags(taps.rows.view(R, -1), table, taps.weights(a).view(R, -1))
+        out.append(sums.add_(taps.nan.add(a - a).sum(1, keepdim=True)))  # a non-finite location or weight: NaN
+    return torch.cat(out).view(B, Q, M * D)
+
+
+def _bags(rows, table, weights):
+    """(R, D): row r's sum of weights[r, t] * table[rows[r, t]], accumulated in fp32 by embedding_bag and rounded
+    once to the table's dtype. A half table is summed in place, never converted (a copy of value would cost 40%
+    of a decoder call): each fp32 weight is split into its half value and the half of the rest, and each tap
+    enters the bag twice, once with each, so the sum is still one sum. The rest's own rounding (2^-18 of the
+    weight in bf16, 2^-22 in fp16) is below the fp32 sum's. fp16 weights overflow past 65504."""
+    if weights.dtype == table.dtype:
+        return F.embedding_bag(rows, table, mode="sum", per_sample_weights=weights)
+    high = weights.to(table.dtype)
+    low = weights.sub(high).to(table.dtype)
+    return F.embedding_bag(torch.cat((rows, rows), 1), table, mode="sum", per_sample_weights=torch.cat((high, low), 1))
 
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              grad_accum, deterministic):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
+    with _sized_threads(B * Q * M * 4 * L * P):
+        return _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype, dtype)
     g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
     rows, tap_weights, grad_locations, grad_weights = [], [], [], []
-    with _sized_threads(B * Q * M * 4 * L * P):
-        for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-            taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end],
-                         dtype, finite_pixel)
-            a = weights[start:end]
-            rows.append(taps.rows.view(-1))
-            tap_weights.append(taps.weights(a).view(-1))
-            grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
-            # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
-            grad_locations.append(grad_xy * a.reshape(-1, 1, L * P) * taps.size + taps.nan[:, None])
-            grad_weights.append(grad_a + taps.nan)
-        grad_locations = torch.cat(grad_locations).transpose(1, 2)
-        grad_weights = torch.cat(grad_weights)
-        grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
+    for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype,
+                     finite_pixel)
+        a = weights[start:end]
+        rows.append(taps.rows.view(-1))
+        tap_weights.append(taps.weights(a).view(-1))
+        grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
+        # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
+        grad_locations.append(grad_xy * a.reshape(-1, 1, L * P) * taps.size + taps.nan[:, None])
+        grad_weights.append(grad_a + taps.nan)
+    grad_locations = torch.cat(grad_locations).transpose(1, 2)
+    grad_weights = torch.cat(grad_weights)
+    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
     return (grad_value.view(value.shape).to(value.dtype),
             grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype).contiguous(),
             grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
