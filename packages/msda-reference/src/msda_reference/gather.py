@@ -80,7 +80,7 @@ class _Taps:
     """The taps of a chunk of C query rows (C*M outputs), in the order (output, corner (dy, dx), sample).
 
     ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D); a corner off the map reads pixel
-    ``finite_pixel`` of its head, with weight 0.
+    ``finite_pixel`` of its head, with weight 0 (``off_tap`` > 0 there).
     ``axis`` (C*M, 2 corners, 2 axes (x, y), L*P): each corner's bilinear weight along each axis, 0 off the map.
     A non-finite location's corners are off the
     map; ``nan`` (C*M, L*P) is NaN there, else 0, for the results that must be NaN (its sample, its gradients).
@@ -124,7 +124,8 @@ class _Taps:
         pixel = (row_start[:, :, None] + col[:, None]).view(R, 4, LP)
         pixel = pixel.clamp_(-1, S - 1)  # a wrong level table still reads this (b, m)'s rows
         sign = pixel.bitwise_right_shift(torch.iinfo(index_dtype).bits - 1)  # -1 where negative, else 0
-        pixel.add_(sign.bitwise_and_(finite_pixel.to(index_dtype) + 1))  # -1 -> finite_pixel
+        self.off_tap = sign.bitwise_and_(finite_pixel.to(index_dtype) + 1)  # (R, 4, LP): > 0 off the map, else 0
+        pixel.add_(self.off_tap)  # -1 -> finite_pixel
         head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
         self.rows = pixel.view(C, M, 4 * LP).mul_(M).add_(head).view(R, 4, LP)
 
@@ -204,12 +205,13 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, sampling_lo
     dtype = grid_sample.compute_dtype(value, sampling_locations)
     table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype, dtype)
     g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
-    rows, tap_weights, grad_locations, grad_weights = [], [], [], []
+    rows, off_taps, tap_weights, grad_locations, grad_weights = [], [], [], [], []
     for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
         taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype,
                      finite_pixel)
         a = weights[start:end]
         rows.append(taps.rows.view(-1))
+        off_taps.append(taps.off_tap.view(-1))
         tap_weights.append(taps.weights(a).view(-1))
         grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
         # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
@@ -217,7 +219,8 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, sampling_lo
         grad_weights.append(grad_a + taps.nan)
     grad_locations = torch.cat(grad_locations).transpose(1, 2)
     grad_weights = torch.cat(grad_weights)
-    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
+    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(off_taps), torch.cat(tap_weights), B * S * M,
+                                 4 * L * P)
     return (grad_value.view(value.shape).to(value.dtype),
             grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype).contiguous(),
             grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
@@ -249,17 +252,19 @@ def _tap_dots(rows, table, g):
     return torch.cat(dots)
 
 
-def _transposed_sum(g, rows, weights, num_rows, T):
-    """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j,
-    in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps weigh 0. Counts and
+def _transposed_sum(g, rows, off_taps, weights, num_rows, T):
+    """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j on
+    the map, in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps go to a bag
+    past the last row, which is dropped: a NaN in g or in a weight must not reach the row they read. Counts and
     offsets in int64 when there are 2^31 taps or more."""
+    rows = rows + off_taps.clamp(max=1) * (num_rows - rows)  # off the map: row num_rows
     _, order = rows.sort(stable=True)
     count_dtype = _index_dtype(rows.numel())
     bag_of_tap = torch.div(order, T, rounding_mode="floor").to(count_dtype)
-    counts = torch.zeros(num_rows, dtype=count_dtype).index_add_(0, rows, torch.ones_like(rows, dtype=count_dtype))
+    counts = torch.zeros(num_rows + 1, dtype=count_dtype).index_add_(0, rows, torch.ones_like(rows, dtype=count_dtype))
     offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=count_dtype)))
     return F.embedding_bag(bag_of_tap, g, offsets, per_sample_weights=weights.index_select(0, order), mode="sum",
-                           include_last_offset=True)
+                           include_last_offset=True)[:num_rows]
 
 
 BACKEND = Backend(
