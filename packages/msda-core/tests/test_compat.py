@@ -112,6 +112,50 @@ def test_v2_function_takes_dfine_per_level_value():
                                                         inputs["attention_weights"].flatten(3, 4), [2, 2])
     _check_against_published(output, inputs)
 
+
+def _folded(inputs):
+    return (inputs["value"], inputs["sampling_locations"].flatten(3, 4), inputs["attention_weights"].flatten(3, 4))
+
+
+def _compat_errors():
+    """Each malformed drop-in call (issue 31), the error it must raise and the message's start."""
+    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)  # levels (6, 4), (3, 2); P = 2
+    value, loc, weights = _folded(inputs)
+    pytorch = compat.multi_scale_deformable_attn_pytorch
+    v2 = compat.multi_scale_deformable_attention_v2
+    shapes = [(6, 4), (3, 2)]
+    return [
+        ("empty shapes, rank-5 locations", lambda: pytorch(value, [], loc, weights), ValueError,
+         "value_spatial_shapes: expected (H, W) pairs of one or more levels, got []"),  # was ZeroDivisionError
+        ("empty shape tensor", lambda: pytorch(value, torch.zeros(0, 2, dtype=torch.int64), loc, weights),
+         ValueError, "value_spatial_shapes: expected (H, W) of one or more levels"),
+        ("weights of the wrong size", lambda: pytorch(value, shapes, inputs["sampling_locations"], weights[..., :3]),
+         ValueError, "attention_weights: expected shape (B, Q, M, L*P) with L*P = 4"),  # was unflatten's error
+        ("3-tuple shapes", lambda: pytorch(value, [(6, 4, 1), (3, 2, 1)], loc, weights), ValueError,
+         "value_spatial_shapes: expected (H, W) pairs"),  # was "too many values to unpack"
+        ("float shapes", lambda: pytorch(value, [(6.5, 4), (3, 2)], loc, weights), TypeError,
+         "value_spatial_shapes: expected integer sizes"),  # was truncated silently
+        ("int locations", lambda: pytorch(value, shapes, loc.long(), weights), TypeError,
+         "sampling_locations: expected a floating dtype, got torch.int64"),  # was cast silently
+        ("bool weights", lambda: pytorch(value, shapes, loc, weights.bool()), TypeError,
+         "attention_weights: expected a floating dtype, got torch.bool"),
+        ("complex locations", lambda: pytorch(value, shapes, loc.to(torch.complex128), weights), TypeError,
+         "sampling_locations: expected a floating dtype, got torch.complex128"),  # lost the imaginary part
+        ("v2 counts past P", lambda: v2(value, shapes, loc, weights, [4, 4]), ValueError,
+         "num_points_list: expected one count per level (2)"),  # all three ran
+        ("v2 no counts", lambda: v2(value, shapes, loc, weights, []), ValueError, "num_points_list:"),
+        ("v2 one count", lambda: v2(value, shapes, loc, weights, [3]), ValueError, "num_points_list:"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_compat_errors())), ids=[c[0] for c in _compat_errors()])
+def test_drop_in_functions_refuse_malformed_calls_naming_the_argument(index):
+    _, call, error, start = _compat_errors()[index]
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(start), str(info.value)
+
+
 def test_autocast_dtypes_are_brought_to_a_pair_the_op_takes():
     """bf16 value and weights beside fp32 locations (as autocast leaves them): the weights go to fp32."""
     inputs = kit.make_inputs(kit.case("tiny"), torch.float64)

@@ -2,12 +2,12 @@
 module's outputs and gradients in float64, for points, boxes and padding; its initialisation; its errors."""
 
 import math
+import re
 
-import msda_core
 import msda_testkit as kit
 import pytest
 import torch
-from msda_core.nn import MSDeformAttn
+from msda_core.nn import MSDeformAttn, MultiScaleDeformableAttention
 from published import checkpoint, msdeformattn
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
@@ -109,9 +109,12 @@ def test_argument_errors_name_the_argument_the_expectation_and_the_value():
         module(query, torch.rand(2, 5, L, 3, dtype=torch.float64), flat, shapes)
     with pytest.raises(ValueError, match=r"reference_points: .*got \(2, 5, 3, 2\)"):
         module(query, torch.rand(2, 5, 3, 2, dtype=torch.float64), flat, shapes)
-    with pytest.raises(ValueError, match=r"query: expected shape \(N, Len_q, d_model\) = \(2, 5, 16\), got "
+    with pytest.raises(ValueError, match=r"query: expected shape \(N, Len_q, d_model\) with d_model = 16, got "
                                          r"\(2, 5, 8\)"):
         module(query[..., :8], reference, flat, shapes)
+    with pytest.raises(ValueError, match=r"query: expected shape \(N, Len_q, d_model\) with d_model = 16, got "
+                                         r"\(5, 16\)"):  # rank 2: the message showed (5, 16, 16) expected
+        module(query[0], reference, flat, shapes)
     with pytest.raises(ValueError, match=r"input_flatten: expected shape \(N, S, d_model\) = \(2, 39, 16\)"):
         module(query, reference, flat[..., :8], shapes)
     with pytest.raises(ValueError, match=r"input_spatial_shapes: expected \(H, W\) of n_levels = 2 levels, got "
@@ -121,8 +124,22 @@ def test_argument_errors_name_the_argument_the_expectation_and_the_value():
         module(query, reference, flat, shapes, None, torch.zeros(2, S - 1, dtype=torch.bool))
 
 
-def test_backend_keyword_reaches_the_op():
-    module = MSDeformAttn(C, L, M, P, backend="no_such_backend").double()
+def test_backend_keyword_reaches_the_op(marker_backend):
+    module = MSDeformAttn(C, L, M, P, backend="marker").double()
     query, reference, flat = _inputs(2)
-    with pytest.raises(msda_core.BackendUnavailableError, match="no_such_backend"):
-        module(query, reference, flat, SHAPES)
+    module(query, reference, flat, SHAPES)
+    assert marker_backend == [1]
+
+
+def test_constructor_refuses_bad_sizes_and_backend_names():
+    """n_heads=0 or d_model=0 raised ZeroDivisionError, negative or float sizes torch's internals, and a bad
+    backend name was accepted until the first forward."""
+    for kwargs, error, message in ((dict(n_heads=0), ValueError, "n_heads: expected a positive int, got 0"),
+                                   (dict(d_model=0), ValueError, "d_model: expected a positive int, got 0"),
+                                   (dict(n_points=-1), ValueError, "n_points: expected a positive int, got -1"),
+                                   (dict(n_levels=2.0), TypeError, "n_levels: expected a positive int, got 2.0"),
+                                   (dict(backend="nope"), ValueError, "backend: expected 'auto' or one of")):
+        with pytest.raises(error, match=re.escape(message)):
+            MSDeformAttn(**kwargs)
+    with pytest.raises(ValueError, match="backend: expected 'auto' or one of"):
+        MultiScaleDeformableAttention(backend="nope")

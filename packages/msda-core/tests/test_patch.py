@@ -152,11 +152,29 @@ def test_a_global_runs_one_backend_per_process():
     assert not isinstance(MSDeformAttnFunction, patching._Counted)
 
 
-def test_backend_reaches_the_op():
+def test_backend_reaches_the_op(marker_backend):
     model = Detector()
-    with msda_core.patch(model, backend="no_such_backend"):
-        with pytest.raises(msda_core.BackendUnavailableError, match="no_such_backend"):
-            model.fork(*_inputs())
+    with msda_core.patch(model, backend="marker"):
+        model.fork(*_inputs())
+    assert marker_backend == [1]
+
+
+def test_patch_checks_its_arguments_where_they_are_given():
+    """patch("a string") said "cannot create weak reference"; a bad backend name was accepted until a call."""
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got str"):
+        msda_core.patch("a string")
+    with pytest.raises(ValueError, match="backend: expected 'auto' or one of"):
+        msda_core.patch(Detector(), backend="nope")
+
+
+def test_unpatch_inside_the_block_then_exit():
+    """`with patch(m): unpatch(m)` raised on exit: the block ends with the model unpatched either way."""
+    model = Detector()
+    with msda_core.patch(model):
+        msda_core.unpatch(model)
+    assert model not in patching._reports
+    with msda_core.patch(model):  # and it can be patched again
+        assert model in patching._reports
 
 
 def test_errors():

@@ -28,6 +28,7 @@ def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limit
 def toys(monkeypatch):
     """A registry holding only toy backends, with one entry point that fails to import."""
     monkeypatch.setattr(registry, "_backends", {})
+    monkeypatch.setattr(registry, "_lazy", {})
     monkeypatch.setattr(registry, "_load_errors", {})
     monkeypatch.setattr(registry, "_discovered", False)
     monkeypatch.setattr(registry, "_resolved", {})
@@ -87,8 +88,9 @@ def test_unknown_request_names_the_known_backends_and_where_it_came_from(toys, m
     known = r"expected 'auto' or one of \['broken', 'fast', 'fp32_only', 'manual', 'slow'\], got 'nope'"
     with pytest.raises(BackendUnavailableError, match=known + r" \(asked for by the backend= argument\)"):
         _ran(backend="nope")
-    with msda_core.use_backend("nope"), pytest.raises(BackendUnavailableError, match="by a use_backend\\(\\) scope"):
-        _ran()
+    with msda_core.use_backend("fp32_only"), pytest.raises(BackendUnavailableError,
+                                                          match="by a use_backend\\(\\) scope"):
+        _ran()  # a name the scope checked, on inputs it cannot run
     monkeypatch.setenv("MSDA_BACKEND", "nope")
     with pytest.raises(BackendUnavailableError, match="by the MSDA_BACKEND environment variable"):
         _ran()
@@ -219,6 +221,7 @@ def test_discovery_from_several_threads_at_once_sees_every_backend(monkeypatch):
 
     names = [f"slow{i}" for i in range(5)]
     monkeypatch.setattr(registry, "_backends", {})
+    monkeypatch.setattr(registry, "_lazy", {})
     monkeypatch.setattr(registry, "_load_errors", {})
     monkeypatch.setattr(registry, "_discovered", False)
     monkeypatch.setattr(registry, "_resolved", {})
@@ -235,3 +238,69 @@ def test_discovery_from_several_threads_at_once_sees_every_backend(monkeypatch):
     for t in threads:
         t.join()
     assert seen == [names] * 8
+
+
+def test_a_bad_name_is_refused_where_it_is_given(toys):
+    """use_backend("nope") was accepted until the first call, whose error blamed the call."""
+    with pytest.raises(ValueError, match=r"^name: expected 'auto' or one of \['broken', 'fast', 'fp32_only', "
+                                         r"'manual', 'slow'\], got 'nope'"):
+        with msda_core.use_backend("nope"):
+            pass
+    with pytest.raises(ValueError, match="triton is provided by msda-triton, which is not installed"):
+        msda_core.use_backend("triton").__enter__()
+    with msda_core.use_backend("broken"):  # a name whose import failed is known: its error comes with a call
+        with pytest.raises(BackendUnavailableError, match="failed to import"):
+            _ran()
+
+
+def test_a_scope_exited_in_another_thread_ends_everywhere(toys):
+    """Exiting a use_backend block from another thread raised there and left the scope active in the first."""
+    import threading
+    scope = msda_core.use_backend("manual")
+    scope.__enter__()
+    assert _ran() == 3.0
+    errors = []
+
+    def close():
+        try:
+            scope.__exit__(None, None, None)
+        except Exception as err:
+            errors.append(err)
+
+    worker = threading.Thread(target=close)
+    worker.start()
+    worker.join()
+    assert errors == [] and _ran() == 2.0
+    with msda_core.use_backend("slow"):  # later scopes in this thread still nest
+        assert _ran() == 1.0
+    assert _ran() == 2.0
+
+
+def test_a_lazy_backend_is_imported_only_when_a_call_may_run_it(toys, monkeypatch):
+    """A LazyBackend entry point (msda-triton's) is imported when asked for by name, or when auto considers a device
+    in its auto_devices; auto on another device, and calls asking for another backend, never import it."""
+    loads = []
+
+    def load(self):
+        loads.append(self.name)
+        return _toy(self.name, priority=50, scale=6.0)
+
+    monkeypatch.setattr(registry.LazyBackend, "load", load)
+    msda_core.register(registry.LazyBackend("lazy_gpu", "unused:BACKEND", auto_devices=frozenset({"cuda"}),
+                                            priority=50))
+    msda_core.register(registry.LazyBackend("lazy_cpu", "unused:BACKEND", auto_devices=frozenset({"cpu"}),
+                                            priority=50))
+    with msda_core.use_backend("lazy_gpu"):  # the name is known without importing it
+        assert loads == []
+    assert _ran(backend="fast") == 2.0 and loads == []
+    assert _ran() == 6.0 and loads == ["lazy_cpu"]  # auto on cpu imports the one that lists cpu, and runs it
+    assert _ran(backend="lazy_gpu") == 6.0 and loads == ["lazy_cpu", "lazy_gpu"]
+    assert sorted(msda_core.backends()) == ["fast", "fp32_only", "lazy_cpu", "lazy_gpu", "manual", "slow"]
+
+
+def test_a_lazy_backend_that_fails_to_import_is_as_a_broken_entry_point(toys):
+    msda_core.register(registry.LazyBackend("lazy_broken", "msda_no_such_module_for_tests:BACKEND",
+                                            auto_devices=frozenset({"cpu"})))
+    assert _ran() == 2.0  # auto tried it, skipped it
+    with pytest.raises(BackendUnavailableError, match="'lazy_broken' .*failed to import"):
+        _ran(backend="lazy_broken")

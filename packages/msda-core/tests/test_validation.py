@@ -48,12 +48,18 @@ MALFORMED = [
     ("weights_queries", _set("attention_weights", lambda i: i["attention_weights"][:, :1]), ValueError,
      ["attention_weights", "(1, 2, 2, 2, 2)", "(1, 1, 2, 2, 2)"]),
     ("loc_dtype", _set("sampling_locations", lambda i: i["sampling_locations"].float()), TypeError,
-     ["attention_weights", "torch.float32", "torch.float64"]),
+     ["sampling_locations", "torch.float64", "torch.float32"]),  # value and weights agree: the locations are off
     ("loc_and_weights_dtype", lambda i: {**i, "sampling_locations": i["sampling_locations"].float(),
                                           "attention_weights": i["attention_weights"].float()},
      TypeError, ["sampling_locations", "torch.float64", "torch.float32"]),
     ("device", _set("attention_weights", lambda i: i["attention_weights"].to("meta")), ValueError,
      ["attention_weights", "device cpu", "meta"]),
+    # value fp32 beside fp64 locations and fp32 weights: the locations are the odd one (weights were named)
+    ("loc_dtype_beside_fp32", lambda i: {**i, "value": i["value"].float(),
+                                         "attention_weights": i["attention_weights"].float()},
+     TypeError, ["sampling_locations", "torch.float32", "torch.float64"]),
+    # value alone on another device: value is named (spatial_shapes was)
+    ("value_device", _set("value", lambda i: i["value"].to("meta")), ValueError, ["value", "device cpu", "meta"]),
 ]
 
 
@@ -83,7 +89,7 @@ def test_malformed_call_raises_naming_the_argument(case_id, mutate, exc, words, 
 
 @pytest.mark.parametrize("case_id, mutate, exc, words",
                          [m for m in MALFORMED if m[0] not in ("shapes_nonpositive", "shapes_sum", "start_values",
-                                                               "device")],
+                                                               "device", "value_device")],
                          ids=lambda m: m if isinstance(m, str) else None)
 def test_fake_kernel_validates_metadata(case_id, mutate, exc, words):
     """Under fake tensors (torch.compile, torch.export) the same metadata errors are raised."""
@@ -174,3 +180,11 @@ def test_shape_errors_name_where_each_size_came_from(inputs, spy_backend):
 def test_an_extra_positional_im2col_step_points_to_the_drop_in(inputs):
     with pytest.raises(TypeError, match="no im2col_step .* msda_core.compat.MSDeformAttnFunction"):
         msda_core.deform_attn(*inputs.values(), 64)
+
+
+def test_level_table_values_are_checked_on_parameters_too(inputs, spy_backend):
+    """The CPU check skipped every tensor subclass: an nn.Parameter holding a wrong table reached the backend."""
+    wrong = torch.nn.Parameter(inputs["spatial_shapes"] * 2, requires_grad=False)
+    with pytest.raises(ValueError, match="spatial_shapes: expected sum"):
+        torch.ops.msda.deform_attn(**dict(inputs, spatial_shapes=wrong), backend="spy")
+    assert spy_backend == []

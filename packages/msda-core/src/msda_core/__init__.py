@@ -4,7 +4,7 @@ Importing this package registers the op. Backends come from other packages (msda
 msda-triton) through the ``msda.backends`` entry points.
 """
 
-from . import compat, nn
+from . import compat, nn, onnx  # onnx imports onnxscript only when its translation table is built
 from .op import deform_attn
 from .op import output_shape as output_shape
 from .patching import PatchReport, patch, unpatch
@@ -34,6 +34,6 @@ def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum
 # What users call. Also importable, for backend authors and tools: Inputs, Request, request, resolve, load_errors,
 # output_shape.
 __all__ = [
-    "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "nn", "patch",
-    "register", "resolve_backend", "unpatch", "unregister", "use_backend",
+    "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "nn", "onnx",
+    "patch", "register", "resolve_backend", "unpatch", "unregister", "use_backend",
 ]

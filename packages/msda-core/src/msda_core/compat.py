@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import operator
 import sys
 import types
 import warnings
@@ -23,12 +24,13 @@ from .validation import HALF_DTYPES
 _SHAPES: dict = {}  # (shapes, device) -> int64 tensor: one tensor per pyramid, copied to the device once
 
 
-def level_shapes(shapes, device) -> torch.Tensor:
+def level_shapes(shapes, device, arg: str = "value_spatial_shapes") -> torch.Tensor:
     """``shapes`` as the (L, 2) tensor the op takes. A list of (H, W) becomes a tensor on ``device``, the same
-    one on every call: a new one would be a host-to-device copy, which waits for the device, on every call."""
+    one on every call: a new one would be a host-to-device copy, which waits for the device, on every call.
+    A list must hold at least one pair of integers (``arg`` names it in errors); a tensor the op checks."""
     if isinstance(shapes, torch.Tensor):
         return shapes
-    key = (tuple((int(h), int(w)) for h, w in shapes), torch.device(device))
+    key = (_integer_pairs(shapes, arg), torch.device(device))
     if torch.compiler.is_compiling():
         return torch.tensor(key[0], dtype=torch.int64, device=device)
     if key not in _SHAPES:
@@ -42,9 +44,25 @@ def level_shapes(shapes, device) -> torch.Tensor:
     return _SHAPES[key]
 
 
+def _integer_pairs(shapes, arg: str) -> tuple:
+    """A list of (H, W) as a tuple of int pairs, or a TypeError/ValueError naming ``arg``."""
+    try:
+        pairs = [tuple(pair) for pair in shapes]
+    except TypeError:
+        raise TypeError(f"{arg}: expected a tensor or a list of (H, W) pairs, got {shapes!r}") from None
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"{arg}: expected (H, W) pairs of one or more levels, got {shapes!r}")
+    try:
+        return tuple((operator.index(h), operator.index(w)) for h, w in pairs)
+    except TypeError:
+        raise TypeError(f"{arg}: expected integer sizes, got {shapes!r}") from None
+
+
 def _unfold(sampling_locations, attention_weights, levels: int):
     """Locations (B, Q, M, L*P, 2) and weights (B, Q, M, L*P), level-major, as (B, Q, M, L, P, 2) and
     (B, Q, M, L, P)."""
+    if levels < 1:
+        raise ValueError("value_spatial_shapes: expected (H, W) of one or more levels, got none")
     if sampling_locations.dim() == 5:
         LP = sampling_locations.shape[3]
         if LP % levels:
@@ -52,13 +70,21 @@ def _unfold(sampling_locations, attention_weights, levels: int):
                              f"L = {levels}, got {tuple(sampling_locations.shape)}")
         sampling_locations = sampling_locations.unflatten(3, (levels, LP // levels))
     if attention_weights.dim() == 4 and sampling_locations.dim() == 6:
-        attention_weights = attention_weights.unflatten(3, sampling_locations.shape[3:5])
+        L, P = sampling_locations.shape[3:5]
+        if attention_weights.shape[3] != L * P:
+            raise ValueError(f"attention_weights: expected shape (B, Q, M, L*P) with L*P = {L * P} (from "
+                             f"sampling_locations), got {tuple(attention_weights.shape)}")
+        attention_weights = attention_weights.unflatten(3, (L, P))
     return sampling_locations, attention_weights
 
 
 def _op_dtypes(value, sampling_locations, attention_weights):
     """Casts to a dtype pair the op takes: locations in value's dtype, or fp32 beside a half value (autocast
-    can leave fp32 locations beside bf16 weights, where the PyTorch path promotes); weights as locations."""
+    can leave fp32 locations beside bf16 weights, where the PyTorch path promotes); weights as locations.
+    Floating dtypes only: an integer, bool or complex tensor would lose its meaning in the cast."""
+    for arg, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if not t.is_floating_point():
+            raise TypeError(f"{arg}: expected a floating dtype, got {t.dtype}")
     location_dtype = sampling_locations.dtype
     if location_dtype != value.dtype and not (value.dtype in HALF_DTYPES and location_dtype == torch.float32):
         location_dtype = torch.float32 if value.dtype in HALF_DTYPES else value.dtype
@@ -129,6 +155,11 @@ def multi_scale_deformable_attention_v2(value, value_spatial_shapes, sampling_lo
     reason = v2_unsupported(num_points_list, method)
     if reason:
         raise ValueError(f"multi_scale_deformable_attention_v2: {reason}")
+    levels = len(value_spatial_shapes)
+    points = list(num_points_list)
+    if len(points) != levels or sampling_locations.dim() != 5 or sum(points) != sampling_locations.shape[3]:
+        raise ValueError(f"num_points_list: expected one count per level ({levels}) summing to sum(P_l) of "
+                         f"sampling_locations (B, Q, M, sum(P_l), 2) = {tuple(sampling_locations.shape)}, got {points}")
     if isinstance(value, (list, tuple)):
         value = torch.cat(value, dim=-1).permute(0, 3, 1, 2)
     return run_op(value, value_spatial_shapes, None, sampling_locations, attention_weights, backend=backend)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from . import registry
 from .compat import level_shapes, run_op
 
 
@@ -20,8 +21,14 @@ class MSDeformAttn(nn.Module):
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4, *,
                  backend: str = "auto"):
         super().__init__()
+        for arg, size in (("d_model", d_model), ("n_levels", n_levels), ("n_heads", n_heads), ("n_points", n_points)):
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise TypeError(f"{arg}: expected a positive int, got {size!r}")
+            if size < 1:
+                raise ValueError(f"{arg}: expected a positive int, got {size!r}")
         if d_model % n_heads != 0:
             raise ValueError(f"d_model: expected a multiple of n_heads = {n_heads}, got {d_model}")
+        registry.check_name(backend)
         self.im2col_step = 64  # read by code written for the CUDA extension; msda ignores it
         self.d_model, self.n_levels, self.n_heads, self.n_points = d_model, n_levels, n_heads, n_points
         self.backend = backend
@@ -54,16 +61,20 @@ class MSDeformAttn(nn.Module):
         """query (N, Len_q, C); reference_points (N, Len_q, L or 1, 2) normalized points, or (..., 4) boxes
         (cx, cy, w, h); input_flatten (N, S, C); input_spatial_shapes (L, 2) tensor or list of (H, W);
         input_padding_mask (N, S), True at padding. Returns (N, Len_q, C)."""
+        if query.dim() != 3 or query.shape[2] != self.d_model:
+            raise ValueError(f"query: expected shape (N, Len_q, d_model) with d_model = {self.d_model}, got "
+                             f"{tuple(query.shape)}")
         N, Len_q = query.shape[:2]
+        if input_flatten.dim() != 3:
+            raise ValueError(f"input_flatten: expected shape (N, S, d_model), got {tuple(input_flatten.shape)}")
         S = input_flatten.shape[1]
         M, L, P = self.n_heads, self.n_levels, self.n_points
-        _check_shape("query", query, "(N, Len_q, d_model)", (N, Len_q, self.d_model))
         _check_shape("input_flatten", input_flatten, "(N, S, d_model)", (N, S, self.d_model))
         if (reference_points.dim() != 4 or tuple(reference_points.shape[:2]) != (N, Len_q)
                 or reference_points.shape[2] not in (L, 1) or reference_points.shape[3] not in (2, 4)):
             raise ValueError(f"reference_points: expected shape (N, Len_q, L or 1, 2 or 4) with (N, Len_q, L) = "
                              f"{(N, Len_q, L)}, got {tuple(reference_points.shape)}")
-        shapes = level_shapes(input_spatial_shapes, query.device)
+        shapes = level_shapes(input_spatial_shapes, query.device, "input_spatial_shapes")
         if tuple(shapes.shape) != (L, 2):
             raise ValueError(f"input_spatial_shapes: expected (H, W) of n_levels = {L} levels, got shape "
                              f"{tuple(shapes.shape)}")
@@ -97,6 +108,7 @@ class MultiScaleDeformableAttention(nn.Module):
 
     def __init__(self, backend: str = "auto"):
         super().__init__()
+        registry.check_name(backend)
         self.backend = backend
         self.calls = 0
 

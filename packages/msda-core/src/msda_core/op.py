@@ -45,7 +45,7 @@ def output_shape(value, sampling_locations) -> tuple:
 def _opaque_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
                     sampling_locations: torch.Tensor, attention_weights: torch.Tensor, backend: str) -> torch.Tensor:
     """A backend that is not traceable, run by name: tracing records this call, not the backend's insides."""
-    return registry.backends()[backend].forward(value, spatial_shapes, level_start_index, sampling_locations,
+    return registry.get(backend).forward(value, spatial_shapes, level_start_index, sampling_locations,
                                                 attention_weights)
 
 
@@ -59,7 +59,7 @@ def _opaque_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_sha
                      level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
                      attention_weights: torch.Tensor, backend: str, grad_accum: str,
                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return registry.backends()[backend].backward(grad_output, value, spatial_shapes, level_start_index,
+    return registry.get(backend).backward(grad_output, value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights, grad_accum, deterministic)
 
 

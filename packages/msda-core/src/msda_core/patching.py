@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, registry
 from .nn import MSDeformAttn, MultiScaleDeformableAttention
 
 _V2 = "multi_scale_deformable_attention_v2"
@@ -268,7 +268,9 @@ class PatchReport:
         return self
 
     def __exit__(self, *exc) -> None:
-        unpatch(self.model)
+        model = self.model
+        if model is not None and _reports.get(model) is self:  # not when unpatched inside the block already
+            unpatch(model)
 
     def _restore(self) -> None:
         for module, attribute, original in reversed(self._undo):
@@ -381,6 +383,9 @@ def patch(model: nn.Module, *, backend: str = "auto", strict: bool = False) -> P
     """Route every multi-scale deformable attention that ``model`` runs through msda, in place (the module
     docstring lists how, per family; transformers' families as of 5.24.0, the version tested). Returns the report;
     when nothing matched, ``strict=True`` raises and ``strict=False`` warns."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    registry.check_name(backend)
     if model in _reports:
         raise ValueError(f"model: expected a model not patched yet, got a patched {type(model).__name__} "
                          f"(call msda_core.unpatch(model) first)")

@@ -1,7 +1,9 @@
 """The backend registry: what each backend can take, and which one a call runs.
 
 Backends live in other packages and are found through the entry-point group ``msda.backends``, so this
-package never imports them by name. Each entry point names a :class:`Backend` object.
+package never imports them by name. Each entry point names a :class:`Backend` object, or a :class:`LazyBackend`
+that says where one is: its module is imported only when a call asks for it by name, or when ``"auto"``
+considers it for a device in its ``auto_devices`` (so a CPU process never imports Triton).
 
 Which backend a call asks for, first match wins: the op's ``backend=`` argument when it is not
 ``"auto"``, the innermost :func:`use_backend` scope of the calling thread or task, the ``MSDA_BACKEND``
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -88,6 +91,21 @@ class Backend:
         return reasons + list(self.limits(inputs))
 
 
+@dataclass(frozen=True)
+class LazyBackend:
+    """An entry point's stand-in for a backend whose module is costly to import: ``target`` ("module:attribute")
+    names the Backend, loaded when first needed. ``auto_devices`` and ``priority`` must be the Backend's own."""
+
+    name: str
+    target: str
+    auto_devices: frozenset
+    priority: int = 0
+
+    def load(self) -> Backend:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
 class BackendUnavailableError(RuntimeError):
     """No backend can run the call; the message lists every known backend and why it was not used."""
 
@@ -100,19 +118,19 @@ class Request(NamedTuple):
 
 
 _backends: dict = {}
+_lazy: dict = {}  # name -> LazyBackend not imported yet
 _load_errors: dict = {}
 _discovered = False
 _lock = threading.RLock()  # discovery and changes; lookups of a filled registry take no lock
-_scope: contextvars.ContextVar = contextvars.ContextVar("msda_use_backend", default=())  # names, innermost last
+_scope: contextvars.ContextVar = contextvars.ContextVar("msda_use_backend", default=())  # _Scopes, innermost last
 _resolved: dict = {}  # (request name, Inputs) -> Backend; emptied on any change of the registry
 
 
-def register(backend: Backend) -> None:
+def register(backend: Backend | LazyBackend) -> None:
     """Add or replace a backend (entry points call this implicitly; tests and users may call it)."""
     with _lock:
         _discover()
-        _backends[backend.name] = backend
-        _load_errors.pop(backend.name, None)
+        _add(backend)
         _resolved.clear()
 
 
@@ -120,7 +138,36 @@ def unregister(name: str) -> None:
     with _lock:
         _discover()
         _backends.pop(name, None)
+        _lazy.pop(name, None)
         _resolved.clear()
+
+
+def _add(backend: Backend | LazyBackend) -> None:
+    _backends.pop(backend.name, None)
+    _lazy.pop(backend.name, None)
+    _load_errors.pop(backend.name, None)
+    (_lazy if isinstance(backend, LazyBackend) else _backends)[backend.name] = backend
+
+
+def _load(name: str) -> None:
+    """Import a lazy backend: into the registry, or its error into load_errors."""
+    with _lock:
+        lazy = _lazy.pop(name, None)
+        if lazy is None:  # another thread loaded it
+            return
+        try:
+            _backends[name] = lazy.load()
+        except Exception as err:  # as a broken entry point: skipped by auto, raised when asked for by name
+            _load_errors[name] = err
+        _resolved.clear()
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name``, imported if it was lazy; KeyError if there is none."""
+    _discover()
+    if name in _lazy:
+        _load(name)
+    return _backends[name]
 
 
 def _discover() -> None:
@@ -138,14 +185,30 @@ def _discover() -> None:
             except Exception as err:  # a broken backend must not break the others; shown when asked by name
                 _load_errors[ep.name] = err
                 continue
-            _backends[backend.name] = backend
+            _add(backend)
         _discovered = True
 
 
 def backends() -> dict:
-    """Name -> Backend for every backend that loaded."""
+    """Name -> Backend for every backend that loaded (lazy ones are imported)."""
     _discover()
+    for name in list(_lazy):
+        _load(name)
     return dict(_backends)
+
+
+def names() -> list:
+    """Every backend name a call may ask for, "auto" first; imports nothing."""
+    _discover()
+    return ["auto", *sorted(set(_backends) | set(_lazy) | set(_load_errors))]
+
+
+def check_name(name, arg: str = "backend") -> None:
+    """Raise where a backend is named (use_backend, patch, a module's constructor), not at a later call."""
+    if isinstance(name, str) and name in names():
+        return
+    hint = f" ({name} is provided by {FIRST_PARTY[name]}, which is not installed)" if name in FIRST_PARTY else ""
+    raise ValueError(f"{arg}: expected 'auto' or one of {names()[1:]}, got {name!r}{hint}")
 
 
 def load_errors() -> dict:
@@ -154,24 +217,37 @@ def load_errors() -> dict:
     return dict(_load_errors)
 
 
+class _Scope:
+    """One use_backend block: its name, and whether it is still open (closed from any thread)."""
+
+    __slots__ = ("name", "open")
+
+    def __init__(self, name: str):
+        self.name, self.open = name, True
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Within the block, calls that pass backend="auto" ask for ``name`` instead. The scope belongs to the
-    calling thread (or asyncio task): other threads keep their own."""
-    token = _scope.set(_scope.get() + (name,))
+    calling thread (or asyncio task): other threads keep their own. A block exited from another thread ends
+    for the thread that entered it too."""
+    check_name(name, "name")
+    scope = _Scope(name)
+    _scope.set(_scope.get() + (scope,))
     try:
         yield
     finally:
-        _scope.reset(token)
+        scope.open = False
+        _scope.set(tuple(s for s in _scope.get() if s.open))
 
 
 def request(backend: str = "auto") -> Request:
     """What a call asks for, after the scope and the environment variable are applied, and from where."""
     if backend != "auto":
         return Request(backend, "the backend= argument")
-    scope = _scope.get()
-    if scope:
-        return Request(scope[-1], "a use_backend() scope")
+    for scope in reversed(_scope.get()):
+        if scope.open:
+            return Request(scope.name, "a use_backend() scope")
     from_env = os.environ.get(ENV_VAR, "auto") or "auto"
     return Request(from_env, f"the {ENV_VAR} environment variable") if from_env != "auto" else Request("auto", "")
 
@@ -203,6 +279,11 @@ def _select(wanted: Request, inputs: Inputs) -> Backend:
     _discover()
     rows = []
     if wanted.name == "auto":
+        for lazy in list(_lazy.values()):
+            if inputs.device.type in lazy.auto_devices:
+                _load(lazy.name)
+        rows += [(lazy.name, f"auto does not choose it on {inputs.device.type!r} (ask for it by name)")
+                 for lazy in _lazy.values()]
         ranked = sorted(_backends.values(), key=lambda b: -b.priority)
         for b in ranked:
             reasons = b.not_supported_reasons(inputs)
@@ -217,13 +298,15 @@ def _select(wanted: Request, inputs: Inputs) -> Backend:
             + (_candidates_report(rows) or "  (none installed: install msda-reference)")
         )
     origin = f" (asked for by {wanted.origin})"
+    if wanted.name in _lazy:
+        _load(wanted.name)
     if wanted.name in _backends:
         b = _backends[wanted.name]
         reasons = b.not_supported_reasons(inputs)
         if not reasons:
             return b
         others = [(n, "; ".join(o.not_supported_reasons(inputs)) or "supports these inputs")
-                  for n, o in _backends.items() if n != wanted.name]
+                  for n, o in _backends.items() if n != wanted.name] + [(n, "not imported") for n in _lazy]
         raise BackendUnavailableError(
             f"backend: {wanted.name!r}{origin} cannot run these inputs ({_describe(inputs)}): {'; '.join(reasons)}\n"
             f"other backends:\n{_candidates_report(others + _error_rows())}"
@@ -238,8 +321,9 @@ def _select(wanted: Request, inputs: Inputs) -> Backend:
             f"backend: {wanted.name!r}{origin} is provided by the package {package}, which is not installed "
             f"(pip install ./packages/{package})")
     known = [(n, "; ".join(b.not_supported_reasons(inputs)) or "supports these inputs") for n, b in _backends.items()]
+    known += [(n, "not imported") for n in _lazy]
     raise BackendUnavailableError(
-        f"backend: expected 'auto' or one of {sorted(set(_backends) | set(_load_errors))}, got {wanted.name!r}"
+        f"backend: expected 'auto' or one of {names()[1:]}, got {wanted.name!r}"
         f"{origin}\nknown backends:\n{_candidates_report(known + _error_rows())}"
     )
 

@@ -2,7 +2,8 @@
 
 Checks run before any backend touches memory. Shape, dtype and device checks need only metadata, so they run
 on every call, fake tensors included. The *values* of ``spatial_shapes`` and ``level_start_index`` are checked
-only where reading them is free: plain tensors in CPU memory, outside torch.compile and torch.export. A CUDA
+only where reading them is free: tensors in CPU memory (``nn.Parameter`` and other subclasses included, not
+fake or functional ones), outside torch.compile and torch.export. A CUDA
 level table is never read (that would synchronize the host with the device on every call); the Triton kernels
 instead mask every read to value's own rows, so a wrong table there gives a documented result, never an
 out-of-bounds read (README, "Level tables").
@@ -28,9 +29,11 @@ def _dims(names: str, sizes: tuple) -> str:
 
 
 def _values_readable(*tensors) -> bool:
-    """Plain CPU tensors outside tracing: reading them costs a few microseconds and no device sync."""
+    """CPU tensors that hold their values, outside tracing: reading them costs a few microseconds and no device
+    sync. A subclass that redefines ``__torch_dispatch__`` (fake and functional tensors) may hold none."""
     return not torch.compiler.is_compiling() and all(
-        type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors if t is not None)
+        t.device.type == "cpu" and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        for t in tensors if t is not None)
 
 
 def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
@@ -73,11 +76,6 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
     for arg in ("spatial_shapes", "level_start_index"):
         if arg in tensors and tensors[arg].dtype not in INDEX_DTYPES:
             raise TypeError(f"{arg}: expected dtype torch.int64 or torch.int32, got {tensors[arg].dtype}")
-    if attention_weights.dtype != sampling_locations.dtype:
-        raise TypeError(
-            f"attention_weights: expected the dtype of sampling_locations ({sampling_locations.dtype}), "
-            f"got {attention_weights.dtype}"
-        )
     mixed_ok = value.dtype in HALF_DTYPES and sampling_locations.dtype == torch.float32
     if sampling_locations.dtype != value.dtype and not mixed_ok:
         raise TypeError(
@@ -85,8 +83,16 @@ def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, a
             + (" or torch.float32" if value.dtype in HALF_DTYPES else "")
             + f", got {sampling_locations.dtype}"
         )
+    if attention_weights.dtype != sampling_locations.dtype:
+        raise TypeError(
+            f"attention_weights: expected the dtype of sampling_locations ({sampling_locations.dtype}), "
+            f"got {attention_weights.dtype}"
+        )
 
     device = value.device
+    if sampling_locations.device == attention_weights.device != device:
+        raise ValueError(f"value: expected device {sampling_locations.device} (the device of sampling_locations and "
+                         f"attention_weights), got {device}")
     for arg, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{arg}: expected device {device} (the device of value), got {t.device}")

@@ -6,13 +6,22 @@ weighted sum of T = 4*L*P rows, the corners of its samples (its taps). The forwa
 each tap to take their dot products with grad_output, from which the weight and location gradients
 follow, and computes grad_value as the same sum transposed: the taps sorted stably by row, then one
 ``embedding_bag`` over grad_output's rows. Every sum runs in a fixed order, so the backward is bitwise
-reproducible. Half inputs are computed in float32.
+reproducible. Half inputs are summed in float32: the forward reads a half ``value`` in place (``_bags``); the
+backward converts it to float32.
+
+Off-map corners read, with weight 0, a pixel of ``value`` that holds no inf or NaN (the first of its first 64
+that is finite in every batch and head; pixel 0 if none is): an inf or NaN pixel off the map changes nothing,
+as in the other backends. A non-finite location or attention weight makes its output row NaN (README,
+"Non-finite inputs"). Small eager calls run on one thread: their elementwise work is too short to gain from a
+second, and waits milliseconds for it when the other core is busy.
 
 Tensor operations only, reading no tensor's values on the host, so tracing (torch.compile, export) sees
 all of it. Every corner row lies within value's rows of its own (b, m), whatever the level table says.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +30,11 @@ from msda_core import Backend
 from . import grid_sample
 
 _OFF_MAP = -2.0  # where non-finite coordinates go: both corners of that axis off the map
-_FAR = 2.0 ** 24  # huge coordinates are clamped here: off the map, and exact in float32
+_FINITE_SEARCH = 64  # off-map taps read the first pixel of value's first this many that is finite everywhere
+_EXACT_INTEGERS = {torch.float32: 2 ** 24, torch.float64: 2 ** 53}  # of the compute dtypes
+_INT32_LIMIT = 2 ** 31  # counts and indices at or past this need int64
+# Eager calls of fewer taps than this run on one thread (BENCHMARKS.md, "CPU": a decoder call has 153K).
+_ONE_THREAD_TAPS = 1 << 20
 # Eager mode works through the query rows in chunks of about this many taps, so that temporaries of a few
 # MB stay in cache instead of being freshly mapped and faulted in (BENCHMARKS.md, "CPU"); the
 # corner rows gathered for the backward's dot products, D times larger, in smaller pieces.
@@ -38,6 +51,26 @@ def _chunks(rows: int, taps_per_row: int, taps_per_chunk: int) -> list:
     return [(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
+def _index_dtype(n: int) -> torch.dtype:
+    """The integer dtype for indices and counts up to n."""
+    return torch.int32 if n < _INT32_LIMIT else torch.int64
+
+
+@contextlib.contextmanager
+def _sized_threads(taps: int):
+    """One intra-op thread for a small eager call, restored after. torch's CPU builds run ops on OpenMP, whose
+    thread count belongs to the calling thread: other threads' calls keep theirs."""
+    threads = 1 if torch.compiler.is_compiling() or taps >= _ONE_THREAD_TAPS else torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _per_sample(per_level, P):
     """(..., L) -> (..., L*P): each level's entry repeated for its P points."""
     return per_level[..., None].expand(*per_level.shape, P).flatten(-2)
@@ -46,17 +79,18 @@ def _per_sample(per_level, P):
 class _Taps:
     """The taps of a chunk of C query rows (C*M outputs), in the order (output, corner (dy, dx), sample).
 
-    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D). ``axis`` (C*M, 2 corners, 2 axes (x, y),
-    L*P): each corner's bilinear weight along each axis, 0 off the map; ``off_map``: 0 on the map, >= 1 off
-    it. A non-finite location's corners are off the map; ``nan`` (C*M, L*P) is NaN there, else 0, for the
-    results that must be NaN (its sample, its gradients).
+    ``rows`` (C*M, 4, L*P): their rows of value viewed as (B*S*M, D); a corner off the map reads pixel
+    ``finite_pixel`` of its head, with weight 0 (``off_tap`` > 0 there).
+    ``axis`` (C*M, 2 corners, 2 axes (x, y), L*P): each corner's bilinear weight along each axis, 0 off the map.
+    A non-finite location's corners are off the
+    map; ``nan`` (C*M, L*P) is NaN there, else 0, for the results that must be NaN (its sample, its gradients).
 
     Every operation runs over contiguous blocks of L*P samples with per-level constants expanded to
     (L*P,), and none makes a bool: broadcasting a trailing (x, y) dimension, or masking with bools, runs
     several times slower per element on the CPU."""
 
-    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype):
-        _, S, M, _ = value_shape
+    def __init__(self, value_shape, spatial_shapes, level_start_index, locations, batch, dtype, finite_pixel):
+        B, S, M, _ = value_shape
         C, _, L, P, _ = locations.shape
         R, LP = C * M, L * P
         self.size = _per_sample(spatial_shapes.flip(-1).t().to(dtype), P)  # (2 axes, LP): W, then H
@@ -65,78 +99,128 @@ class _Taps:
         xy = locations.new_empty((R, 2, LP), dtype=dtype).copy_(locations.reshape(R, LP, 2).transpose(1, 2))
         xy.mul_(self.size).sub_(0.5)  # align_corners=False
         self.nan = (xy - xy).sum(1)
-        frac = xy.nan_to_num_(_OFF_MAP, _OFF_MAP, _OFF_MAP).clamp_(_OFF_MAP, _FAR)
+        frac = xy.nan_to_num_(_OFF_MAP, _OFF_MAP, _OFF_MAP)
         low = frac.floor()
         frac.sub_(low)
+        # Corner coordinates in a dtype that holds every integer up to S, so also every pixel of every level
+        exact = dtype if S < _EXACT_INTEGERS[dtype] else torch.float64
+        low = low.to(exact)
         corner = torch.stack((low, low), 1)  # (R, 2 corners, 2 axes, LP): low, then low + 1
         corner[:, 1].add_(1)
-        index = torch.minimum(corner, self.size - 1).clamp_(min=0)
-        self.off_map = corner.sub_(index).abs_()
+        index = torch.minimum(corner, _per_sample(spatial_shapes.flip(-1).t().to(exact), P) - 1).clamp_(min=0)
+        self.off_map = corner.sub_(index).abs_().to(dtype)
         # the weight (1 - frac, frac) where the corner is on the map; off it, off_map >= 1 >= the weight
         self.axis = torch.stack((frac, frac), 1)
         self.axis[:, 0].neg_().add_(1)
         self.axis.sub_(self.off_map).clamp_(min=0)
-        index_dtype = torch.int32 if value_shape[0] * S * M < 2 ** 31 else torch.int64
+        index_dtype = _index_dtype(2 * B * S * M)
+        # Each axis' off-map corners minus S: a tap's pixel is then negative when either of its corners is off
+        # the map, which integer steps turn into finite_pixel (bool masks would cost 10x as much here).
+        off = self.off_map.clamp(max=1).to(index_dtype).mul_(S)
         index = index.to(index_dtype)
-        col, row = index[:, :, 0], index[:, :, 1]  # (R, 2 corners, LP)
-        row_start = torch.mul(row, _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
-            _per_sample(level_start_index.to(index_dtype), P))
+        col = index[:, :, 0] - off[:, :, 0]  # (R, 2 corners, LP)
+        row_start = torch.mul(index[:, :, 1], _per_sample(spatial_shapes[:, 1].to(index_dtype), P)).add_(
+            _per_sample(level_start_index.to(index_dtype), P)).sub_(off[:, :, 1])
         pixel = (row_start[:, :, None] + col[:, None]).view(R, 4, LP)
-        pixel = pixel.clamp_(0, S - 1).view(C, M, 4 * LP)  # a wrong level table still reads this (b, m)'s rows
+        pixel = pixel.clamp_(-1, S - 1)  # a wrong level table still reads this (b, m)'s rows
+        sign = pixel.bitwise_right_shift(torch.iinfo(index_dtype).bits - 1)  # -1 where negative, else 0
+        self.off_tap = sign.bitwise_and_(finite_pixel.to(index_dtype) + 1)  # (R, 4, LP): > 0 off the map, else 0
+        pixel.add_(self.off_tap)  # -1 -> finite_pixel
         head = batch.to(index_dtype).view(C, 1, 1) * (S * M) + torch.arange(M, dtype=index_dtype).view(1, M, 1)
-        self.rows = pixel.mul_(M).add_(head).view(R, 4, LP)
+        self.rows = pixel.view(C, M, 4 * LP).mul_(M).add_(head).view(R, 4, LP)
 
     def weights(self, attention_weights):
         """(C*M, 4, L*P): each tap's attention weight times its bilinear weight."""
         wx, wy = self.axis[:, :, 0], self.axis[:, :, 1]
-        a = attention_weights.view(wx.shape[0], 1, -1)
+        a = attention_weights.reshape(wx.shape[0], 1, -1)
         return ((a * wy)[:, :, None] * wx[:, None]).view(wx.shape[0], 4, -1)
 
 
-def _flat(value, sampling_locations, attention_weights, dtype):
-    """value as (B*S*M, D) rows in ``dtype``; locations and weights with one leading dimension of B*Q query rows;
-    the batch index of each query row."""
+def _flat(value, sampling_locations, attention_weights, dtype, table_dtype):
+    """value as (B*S*M, D) rows in ``table_dtype``; locations and weights with one leading dimension of B*Q query
+    rows, the weights in ``dtype``; the batch index of each query row; the pixel off-map taps read (_finite_pixel)."""
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
-    return (value.to(dtype).reshape(B * S * M, D), sampling_locations.reshape(B * Q, M, L, P, 2),
+    table = value.to(table_dtype).reshape(B * S * M, D)
+    return (table, sampling_locations.reshape(B * Q, M, L, P, 2),
             attention_weights.to(dtype).reshape(B * Q, M * L * P),
-            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q))
+            torch.arange(B).view(B, 1).expand(B, Q).reshape(B * Q), _finite_pixel(value))
+
+
+def _finite_pixel(value):
+    """The first of value's first _FINITE_SEARCH pixels with no inf or NaN in any batch or head (pixel 0 if none
+    is): off-map taps read it with weight 0, and 0 * inf would be NaN."""
+    finite = torch.isfinite(value[:, :_FINITE_SEARCH]).all(3).all(2).all(0).to(torch.uint8)
+    return torch.cat((finite, finite.new_zeros(1))).argmax()
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
+    with _sized_threads(B * Q * M * 4 * L * P):
+        return _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype,
+                                                           value.dtype)
     out = []
     for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype,
+                     finite_pixel)
         R = taps.rows.shape[0]
-        tap_weights = taps.weights(weights[start:end].view(R, -1) + taps.nan).view(R, -1)  # non-finite: NaN
-        out.append(F.embedding_bag(taps.rows.view(R, -1), table, mode="sum", per_sample_weights=tap_weights))
-    return torch.cat(out).view(B, Q, M * D).to(value.dtype)
+        a = weights[start:end].reshape(R, -1)
+        sums = _bags(taps.rows.view(R, -1), table, taps.weights(a).view(R, -1))
+        out.append(sums.add_(taps.nan.add(a - a).sum(1, keepdim=True)))  # a non-finite location or weight: NaN
+    return torch.cat(out).view(B, Q, M * D)
+
+
+def _bags(rows, table, weights):
+    """(R, D): row r's sum of weights[r, t] * table[rows[r, t]], accumulated in fp32 by embedding_bag and rounded
+    once to the table's dtype. A half table is summed in place, never converted (a copy of value would cost 40%
+    of a decoder call): each fp32 weight is split into its half value and the half of the rest, and each tap
+    enters the bag twice, once with each, so the sum is still one sum. The rest's own rounding (2^-18 of the
+    weight in bf16, 2^-22 in fp16) is below the fp32 sum's. fp16 weights overflow past 65504."""
+    if weights.dtype == table.dtype:
+        return F.embedding_bag(rows, table, mode="sum", per_sample_weights=weights)
+    high = weights.to(table.dtype)
+    low = weights.sub(high).to(table.dtype)
+    return F.embedding_bag(torch.cat((rows, rows), 1), table, mode="sum", per_sample_weights=torch.cat((high, low), 1))
 
 
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              grad_accum, deterministic):
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
+    with _sized_threads(B * Q * M * 4 * L * P):
+        return _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    B, S, M, D = value.shape
+    _, Q, _, L, P, _ = sampling_locations.shape
     dtype = grid_sample.compute_dtype(value, sampling_locations)
-    table, locations, weights, batch = _flat(value, sampling_locations, attention_weights, dtype)
+    table, locations, weights, batch, finite_pixel = _flat(value, sampling_locations, attention_weights, dtype, dtype)
     g = grad_output.to(dtype).reshape(B * Q * M, D).contiguous()
-    rows, tap_weights, grad_locations, grad_weights = [], [], [], []
+    rows, off_taps, tap_weights, grad_locations, grad_weights = [], [], [], [], []
     for start, end in _chunks(B * Q, M * 4 * L * P, _CHUNK_TAPS):
-        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype)
+        taps = _Taps(value.shape, spatial_shapes, level_start_index, locations[start:end], batch[start:end], dtype,
+                     finite_pixel)
         a = weights[start:end]
         rows.append(taps.rows.view(-1))
+        off_taps.append(taps.off_tap.view(-1))
         tap_weights.append(taps.weights(a).view(-1))
         grad_xy, grad_a = _location_and_weight_grads(taps, table, g[start * M:end * M])
         # a non-finite location: NaN weight and location gradients (every backend); its taps weigh 0
-        grad_locations.append(grad_xy * a.view(-1, 1, L * P) * taps.size + taps.nan[:, None])
+        grad_locations.append(grad_xy * a.reshape(-1, 1, L * P) * taps.size + taps.nan[:, None])
         grad_weights.append(grad_a + taps.nan)
     grad_locations = torch.cat(grad_locations).transpose(1, 2)
     grad_weights = torch.cat(grad_weights)
-    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(tap_weights), B * S * M, 4 * L * P)
+    grad_value = _transposed_sum(g, torch.cat(rows), torch.cat(off_taps), torch.cat(tap_weights), B * S * M,
+                                 4 * L * P)
     return (grad_value.view(value.shape).to(value.dtype),
             grad_locations.reshape(sampling_locations.shape).to(sampling_locations.dtype).contiguous(),
             grad_weights.view(attention_weights.shape).to(attention_weights.dtype))
@@ -168,15 +252,19 @@ def _tap_dots(rows, table, g):
     return torch.cat(dots)
 
 
-def _transposed_sum(g, rows, weights, num_rows, T):
-    """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j,
-    in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps weigh 0."""
+def _transposed_sum(g, rows, off_taps, weights, num_rows, T):
+    """grad_value as (num_rows, D): row j gets the sum of weight * g[r] over the taps (r, weight) reading j on
+    the map, in tap order (a stable sort by row), as one embedding_bag over g's rows. Off-map taps go to a bag
+    past the last row, which is dropped: a NaN in g or in a weight must not reach the row they read. Counts and
+    offsets in int64 when there are 2^31 taps or more."""
+    rows = rows + off_taps.clamp(max=1) * (num_rows - rows)  # off the map: row num_rows
     _, order = rows.sort(stable=True)
-    bag_of_tap = torch.div(order, T, rounding_mode="floor").to(rows.dtype)
-    counts = torch.zeros(num_rows, dtype=rows.dtype).index_add_(0, rows, torch.ones_like(rows))
-    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=rows.dtype)))
+    count_dtype = _index_dtype(rows.numel())
+    bag_of_tap = torch.div(order, T, rounding_mode="floor").to(count_dtype)
+    counts = torch.zeros(num_rows + 1, dtype=count_dtype).index_add_(0, rows, torch.ones_like(rows, dtype=count_dtype))
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=count_dtype)))
     return F.embedding_bag(bag_of_tap, g, offsets, per_sample_weights=weights.index_select(0, order), mode="sum",
-                           include_last_offset=True)
+                           include_last_offset=True)[:num_rows]
 
 
 BACKEND = Backend(

@@ -7,8 +7,10 @@ op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` d
 
 Non-finite locations: aten's CPU kernel samples NaN there, its CUDA kernel 0. This backend moves such
 points outside the map before aten sees them and writes NaN into their samples itself, so every device
-follows the CPU convention that all backends share. Huge finite points (|grid| > 3: every corner off the
-map) are moved to the same place, so aten never converts an out-of-range coordinate to an integer.
+follows the convention all backends share (README, "Non-finite inputs"): a sample is NaN where its pixel
+coordinate ``loc * W`` (or ``loc * H``) in the compute dtype is not finite, and an output row is NaN where one
+of its attention weights is not. Huge finite points (|grid| > 3: every corner off the map) are moved outside
+the map too, so aten never converts an out-of-range coordinate to an integer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ def compute_dtype(value, sampling_locations):
     return torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
 
 
+def pixels_finite(spatial_shapes, sampling_locations, dtype):
+    """(B, Q, M, L, P): whether both pixel coordinates, loc * (W, H) in ``dtype``, are finite. A location
+    whose coordinate overflows is as a non-finite one (the Triton kernels scale in fp32)."""
+    size = spatial_shapes.flip(-1).to(dtype)[:, None, :]  # (L, 1, 2): (W, H)
+    return torch.isfinite(sampling_locations.to(dtype) * size).all(-1)
+
+
 _OUTSIDE = -4.0  # a grid coordinate far outside [-1, 1]: zeros padding gives 0 and no gradient
 
 
@@ -35,10 +44,11 @@ def _per_level(value, spatial_shapes, level_start_index, sampling_locations, att
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     dtype = compute_dtype(value, sampling_locations)
     check_level_values(S, spatial_shapes, level_start_index)  # it reads the table anyway: the check is free
+    finite = pixels_finite(spatial_shapes, sampling_locations, dtype)
     for l, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
         value_l = value[:, start:start + H * W].to(dtype).permute(0, 2, 3, 1).reshape(B * M, D, H, W)
         grid_l = 2 * sampling_locations[:, :, :, l].to(dtype).permute(0, 2, 1, 3, 4).reshape(B * M, Q, P, 2) - 1
-        finite_l = torch.isfinite(grid_l).all(-1)
+        finite_l = finite[:, :, :, l].permute(0, 2, 1, 3).reshape(B * M, Q, P)
         near_l = (grid_l.abs() <= 3).all(-1)  # False for NaN too
         grid_l = torch.where(near_l[..., None], grid_l, _OUTSIDE)
         weights_l = attention_weights[:, :, :, l].to(dtype).permute(0, 2, 1, 3).reshape(B * M, Q, P)
@@ -59,6 +69,7 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
                                                                    sampling_locations, attention_weights):
         sampled = _sample(value_l, grid_l, finite_l)
         term = (sampled * weights_l[:, None]).sum(-1)  # (B*M, D, Q)
+        term += (weights_l - weights_l).sum(-1)[:, None]  # a non-finite weight: NaN over its output row
         out = term if out is None else out + term
     return out.reshape(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D).to(value.dtype).contiguous()
 
@@ -82,7 +93,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     grad_locations = torch.stack(grad_locations, 1).reshape(B, M, L, Q, P, 2).permute(0, 3, 1, 2, 4, 5)
     grad_weights = torch.stack(grad_weights, 1).reshape(B, M, L, Q, P).permute(0, 3, 1, 2, 4)
     # a non-finite location's sample is NaN, so are both components of its gradient (every backend)
-    finite = torch.isfinite(sampling_locations).all(-1, keepdim=True)
+    finite = pixels_finite(spatial_shapes, sampling_locations, dtype)[..., None]
     grad_locations = torch.where(finite, grad_locations, torch.nan)
     return (grad_value.to(value.dtype), grad_locations.to(sampling_locations.dtype).contiguous(),
             grad_weights.to(attention_weights.dtype).contiguous())

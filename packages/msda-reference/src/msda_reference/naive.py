@@ -11,7 +11,7 @@ import math
 import torch
 from msda_core import Backend
 
-from .grid_sample import compute_dtype
+from .grid_sample import compute_dtype, pixels_finite
 
 MAX_WORK = 200_000  # B*Q*M*L*P*D sampled channels; beyond this the loops take seconds
 
@@ -43,8 +43,10 @@ def _levels(spatial_shapes, level_start_index):
     return [(h, w, s) for (h, w), s in zip(spatial_shapes.tolist(), level_start_index.tolist())]
 
 
-def _finite(*xs) -> bool:
-    return all(math.isfinite(x) for x in xs)
+def _finite_samples(value, spatial_shapes, sampling_locations):
+    """[b][q][m][l][p]: whether the sample's pixel coordinates are finite in the compute dtype (README,
+    "Non-finite inputs": the one place the loops do not compute in float64, so all backends agree)."""
+    return pixels_finite(spatial_shapes, sampling_locations, compute_dtype(value, sampling_locations)).tolist()
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -54,6 +56,7 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     loc = _coordinates(value, spatial_shapes, sampling_locations)
     att = attention_weights.double().tolist()
     levels = _levels(spatial_shapes, level_start_index)
+    finite = _finite_samples(value, spatial_shapes, sampling_locations)
     out = [[[[0.0] * D for _ in range(M)] for _ in range(Q)] for _ in range(B)]
     for b in range(B):
         for q in range(Q):
@@ -62,7 +65,7 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
                 for l, (H, W, start) in enumerate(levels):
                     for p in range(P):
                         (x, y), a = loc[b][q][m][l][p], att[b][q][m][l][p]
-                        if not _finite(x, y):  # grid_sample's convention: the sample is NaN
+                        if not (finite[b][q][m][l][p] and math.isfinite(a)):  # the output row is NaN
                             acc[:] = [math.nan] * D
                             continue
                         _, _, corners = _corners(x, y, H, W)
@@ -83,6 +86,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     att = attention_weights.double().tolist()
     g_all = grad_output.double().reshape(B, Q, M, D).tolist()
     levels = _levels(spatial_shapes, level_start_index)
+    finite = _finite_samples(value, spatial_shapes, sampling_locations)
     g_value = [[[[0.0] * D for _ in range(M)] for _ in range(S)] for _ in range(B)]
     g_loc = [[[[[[0.0, 0.0] for _ in range(P)] for _ in range(L)] for _ in range(M)] for _ in range(Q)]
              for _ in range(B)]
@@ -95,7 +99,7 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
                 for l, (H, W, start) in enumerate(levels):
                     for p in range(P):
                         (x, y), a = loc[b][q][m][l][p], att[b][q][m][l][p]
-                        if not _finite(x, y):
+                        if not finite[b][q][m][l][p]:
                             g_att[b][q][m][l][p] = math.nan
                             g_loc[b][q][m][l][p] = [math.nan, math.nan]
                             continue

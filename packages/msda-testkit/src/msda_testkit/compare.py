@@ -49,7 +49,11 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
     scale = e[torch.isfinite(e)].abs().max().item() if bool(torch.isfinite(e).any()) else 0.0
     scale = scale or 1.0
     err = torch.where(both_finite, (a - e).abs(), torch.zeros_like(a))
-    allowed = tol.atol * scale + tol.rtol * e.abs()
+    # Below the dtype's smallest normal number its spacing is fixed (subnormals): rounding there errs by up to
+    # half of it, however small the result, so each element may also be off by one subnormal step (fp16: 6e-8).
+    finfo = torch.finfo(actual.dtype) if actual.is_floating_point() else None
+    underflow = finfo.smallest_normal * finfo.eps if finfo else 0.0
+    allowed = tol.atol * scale + tol.rtol * e.abs() + underflow
     bad = (both_finite & (err > allowed)) | (~both_finite & ~same_special)
     n_ignored = 0
     if ignore is not None:
