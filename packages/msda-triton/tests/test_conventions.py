@@ -51,9 +51,6 @@ def test_nonfinite_weights_give_a_nan_row():
 
 
 @needs_kernels
-@pytest.mark.xfail(strict=True, reason="kernels.py's forward multiplies an inf weight into each corner: +-inf on "
-                   "the map where the convention is NaN. The fix, in forward_kernel: a = tl.where(finite & "
-                   "(tl.abs(a) < float('inf')), a, float('nan'))")
 def test_an_inf_weight_on_the_map_gives_a_nan_row():
     inputs = _inputs()
     inputs["value"].abs_()  # every corner of the same sign: inf, not inf - inf

@@ -132,9 +132,9 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D), level by level,
     BLOCK_P points of each row per step: the corners are [BLOCK_R, BLOCK_P, BLOCK_D] gathers, so the loads of
     BLOCK_R * BLOCK_P samples are in flight together. Offsets are int32 unless WIDE (launch_forward's choice).
-    A non-finite location makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN: the
-    row's output is NaN, as grid_sample's. (A flag carried across the loop instead cost 1.5-1.8x in time at
-    4 warps: its layout differs from the gathers', so every step converted between the two.)"""
+    A non-finite location or weight makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN:
+    the row's output is NaN (README, "Non-finite inputs"). (A flag carried across the loop instead cost 1.5-1.8x
+    in time at 4 warps: its layout differs from the gathers', so every step converted between the two.)"""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR, WIDE)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = (d < D)[None, None, :]
@@ -156,7 +156,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
             a = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(tl.float32)
             p00, m00, m01, m10, m11, fx, fy, finite = _corners(loc_x, loc_y, H, W, start, ok)
             w00, w01, w10, w11 = _bilinear(fx, fy)
-            a = tl.where(finite, a, float("nan"))
+            a = tl.where(finite & (tl.abs(a) < float("inf")), a, float("nan"))  # an inf weight: a NaN row too
             p00 = base + (p00 * pixel_stride)[:, :, None]  # the corners' addresses, 01, 10, 11 relative to 00's
             v00 = tl.load(value_ptr + p00, mask=m00[:, :, None] & d_ok, other=0.0)
             v01 = tl.load(value_ptr + p00 + pixel_stride, mask=m01[:, :, None] & d_ok, other=0.0)
