@@ -14,25 +14,11 @@ from msda_testkit import cli
 TOOLS = {"report": report, "bench": bench, "peers": peers, "overhead": overhead, "deploy": deploy,
          "model_bench": model_bench, "locality": locality,
          "tune": tune}
-real_parser = cli.parser
 
 
 @pytest.mark.parametrize("name", TOOLS)
 def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
-    made = []
-    monkeypatch.setattr(cli, "parser", lambda *args: made.append(real_parser(*args)) or made[-1])
-    with pytest.raises(SystemExit) as exit_:
-        TOOLS[name].main(["--help"])
-    assert exit_.value.code == 0
-    text = capsys.readouterr().out
-    assert text.startswith(f"usage: python -m msda_benchmarks.{name} ") and "``" not in text
-    (parser,) = made
-    assert parser.description.endswith((".", ")")), parser.description  # the first paragraph, whole
-    formatter = parser._get_formatter()
-    for action in parser._actions:
-        assert action.help, f"{action.option_strings} has no help"
-        if action.default not in (None, False, "==SUPPRESS=="):  # a flag, or an option whose absence is explained
-            assert "(default: " in formatter._get_help_string(action), action.option_strings
+    cli.assert_help_is_complete(TOOLS[name].main, f"msda_benchmarks.{name}", monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("name", ["report", "bench", "overhead", "deploy"])

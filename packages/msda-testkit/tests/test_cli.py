@@ -7,24 +7,11 @@ import torch
 from msda_testkit import cli, distributed, verify
 
 TOOLS = {"verify": verify, "distributed": distributed}
-real_parser = cli.parser
 
 
 @pytest.mark.parametrize("name", TOOLS)
 def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
-    made = []
-    monkeypatch.setattr(cli, "parser", lambda *args: made.append(real_parser(*args)) or made[-1])
-    with pytest.raises(SystemExit) as exit_:
-        TOOLS[name].main(["--help"])
-    assert exit_.value.code == 0
-    text = capsys.readouterr().out
-    assert text.startswith(f"usage: python -m msda_testkit.{name} ") and "``" not in text
-    (parser,) = made
-    formatter = parser._get_formatter()
-    for action in parser._actions:
-        assert action.help, f"{action.option_strings} has no help"
-        if action.default not in (None, False, "==SUPPRESS=="):  # a flag, or an option whose absence is explained
-            assert "(default: " in formatter._get_help_string(action), action.option_strings
+    cli.assert_help_is_complete(TOOLS[name].main, f"msda_testkit.{name}", monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("name", ["verify"])

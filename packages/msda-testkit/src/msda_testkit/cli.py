@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 
 import torch
 
@@ -25,6 +26,9 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
                                    formatter_class=_Formatter)
 
 
+_parser = parser  # the parser itself, while a test watches the tools call it
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where to run: cpu, cuda or cuda:N (the default is cuda where torch sees a GPU)")
@@ -42,6 +46,28 @@ def device(prog: str, name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise SystemExit(f"{prog}: --device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def assert_help_is_complete(main, command: str, monkeypatch, capsys) -> None:
+    """A tool's ``--help`` (pytest's fixtures given): it names the command to type, shows no reST, gives the whole
+    first paragraph of the docstring, and every option says what it does and its default."""
+    made = []
+    monkeypatch.setattr(sys.modules[__name__], "parser", lambda *args: made.append(_parser(*args)) or made[-1])
+    try:
+        main(["--help"])
+    except SystemExit as exit_:
+        assert exit_.code == 0, exit_.code
+    else:
+        raise AssertionError(f"{command} --help did not exit")
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m {command} ") and "``" not in text, text
+    (made_parser,) = made
+    assert made_parser.description.endswith((".", ")")), made_parser.description  # the first paragraph, whole
+    formatter = made_parser._get_formatter()
+    for action in made_parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False, "==SUPPRESS=="):  # a flag, or an option whose absence is explained
+            assert "(default: " in formatter._get_help_string(action), action.option_strings
 
 
 def write_results(path: str, environment: dict, rows: list) -> None:
