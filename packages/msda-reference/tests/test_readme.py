@@ -27,6 +27,11 @@ BLOCKS = {
                                                          "test_compat runs every function",
     "msda_core.compat.install_extension_shim()": "needs Deformable DETR's repository: msda-core's test_compat runs "
                                                  "its calls through the shim",
+    "install_extension_shim(mmcv=True)": "needs mmcv and mmdet: integrations/test_mmdet.py builds mmdet's DINO and "
+                                         "Deformable DETR through the shim (nox -s integrations)",
+    "use_kernel_mapping(msda_core.hub.mapping())": "a fragment (model is the reader's) that needs the kernels "
+                                                   "package: integrations/test_kernels.py runs it on a transformers "
+                                                   "model (nox -s integrations)",
 }
 
 
