@@ -48,17 +48,17 @@ class Recording:
     def __exit__(self, *exc):
         msda_core.unregister(self.name)
 
-    def _forward(self, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def _forward(self, inputs):
         self.calls += 1
         with torch.no_grad():
-            for level, (H, W) in enumerate(spatial_shapes.tolist()):
-                x = sampling_locations[:, :, :, level, :, 0].double() * W - 0.5
-                y = sampling_locations[:, :, :, level, :, 1].double() * H - 0.5
+            for level, (H, W) in enumerate(inputs.spatial_shapes.tolist()):
+                x = inputs.sampling_locations[:, :, :, level, :, 0].double() * W - 0.5
+                y = inputs.sampling_locations[:, :, :, level, :, 1].double() * H - 0.5
                 inside = (x > -1) & (x < W) & (y > -1) & (y < H)  # False where not finite
                 if inside.any():
                     distance = torch.minimum((x - x.round()).abs(), (y - y.round()).abs())[inside].min().item()
                     self.min_knot_distance = min(self.min_knot_distance, distance)
-        return self._gather.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return self._gather.forward(inputs)
 
     def _backward(self, *args):
         self.backward_calls += 1

@@ -15,12 +15,12 @@ def marker_backend():
     name reach the op."""
     calls = []
 
-    def forward(value, shapes, starts, loc, weights):
+    def forward(inputs):
         calls.append(1)
-        return value.new_zeros(msda_core.output_shape(value, loc))
+        return inputs.value.new_zeros(msda_core.output_shape(inputs.value, inputs.sampling_locations))
 
-    def backward(grad, value, shapes, starts, loc, weights, grad_accum, deterministic):
-        return torch.zeros_like(value), torch.zeros_like(loc), torch.zeros_like(weights)
+    def backward(grad, inputs, grad_accum, deterministic):
+        return tuple(torch.zeros_like(t) for t in (inputs.value, inputs.sampling_locations, inputs.attention_weights))
 
     msda_core.register(msda_core.Backend("marker", forward, backward, devices=frozenset({"cpu"}),
                                          dtypes=frozenset({torch.float32, torch.float64})))

@@ -174,9 +174,9 @@ def test_backend_selection_applies():
     ran = []
     gather = msda_core.backends()["gather"]
 
-    def forward(*args):
+    def forward(inputs):
         ran.append("forward")
-        return gather.forward(*args)
+        return gather.forward(inputs)
 
     msda_core.register(msda_core.Backend("recording", forward, gather.backward, devices=frozenset({"cpu"}),
                                          dtypes=gather.dtypes))

@@ -9,5 +9,5 @@ def test_star_import_gives_what_users_call():
     assert sorted(k for k in namespace if k != "__builtins__") == [
         "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "nn", "onnx",
         "patch", "register", "resolve_backend", "unpatch", "unregister", "use_backend"]
-    for name in ("Inputs", "Request", "request", "resolve", "load_errors", "output_shape"):
+    for name in ("Inputs", "Metadata", "Request", "request", "resolve", "load_errors", "output_shape"):
         assert hasattr(msda_core, name), name

@@ -12,11 +12,12 @@ from msda_core import BackendUnavailableError, output_shape, registry
 def _toy(name, priority=0, dtypes=(torch.float64,), auto_devices=("cpu",), limits=None, scale=1.0,
          reproducible_on=()):
     """A backend whose output tells which backend ran: every element equals ``scale``."""
-    def forward(value, shapes, starts, loc, weights):
-        return value.new_full(output_shape(value, loc), scale)
+    def forward(inputs):
+        return inputs.value.new_full(output_shape(inputs.value, inputs.sampling_locations), scale)
 
-    def backward(grad, value, shapes, starts, loc, weights, grad_accum, deterministic):
-        return (torch.full_like(value, scale), torch.full_like(loc, scale), torch.full_like(weights, scale))
+    def backward(grad, inputs, grad_accum, deterministic):
+        return tuple(torch.full_like(t, scale) for t in (inputs.value, inputs.sampling_locations,
+                                                          inputs.attention_weights))
 
     kwargs = {"limits": limits} if limits else {}
     return msda_core.Backend(name, forward, backward, devices=frozenset({"cpu"}), dtypes=frozenset(dtypes),
@@ -121,8 +122,8 @@ def test_auto_with_no_backend_lists_all_reasons(toys):
 
 
 def test_limits_add_reasons(toys):
-    def limits(inputs):
-        return ["needs D >= 8"] if inputs.head_dim < 8 else []
+    def limits(meta):
+        return ["needs D >= 8"] if meta.head_dim < 8 else []
 
     msda_core.register(_toy("picky", priority=50, limits=limits))
     assert _ran() == 2.0

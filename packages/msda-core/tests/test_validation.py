@@ -122,28 +122,28 @@ def test_mixed_precision_half_value_fp32_locations_is_accepted(spy_backend):
         inp["value"] = inp["value"].to(half)
         for k in ("sampling_locations", "attention_weights"):
             inp[k] = inp[k].float()
-        msda_core.validation.check_inputs(**inp)
+        msda_core.validation.check_inputs(msda_core.Inputs(**inp))
     inp = tiny_inputs(torch.float32)
     inp["value"] = inp["value"].half()
     inp["attention_weights"] = inp["attention_weights"].half()
     inp["sampling_locations"] = inp["sampling_locations"].half()
-    msda_core.validation.check_inputs(**inp)  # all half: fine
+    msda_core.validation.check_inputs(msda_core.Inputs(**inp))  # all half: fine
     inp["value"] = inp["value"].bfloat16()
     with pytest.raises(TypeError, match=r"^sampling_locations: expected the dtype of value \(torch.bfloat16\) or "
                                         r"torch.float32"):
-        msda_core.validation.check_inputs(**inp)
+        msda_core.validation.check_inputs(msda_core.Inputs(**inp))
 
 
 def test_int32_index_tensors_are_accepted(inputs):
     inputs["spatial_shapes"] = inputs["spatial_shapes"].int()
     inputs["level_start_index"] = inputs["level_start_index"].int()
-    msda_core.validation.check_inputs(**inputs)
+    msda_core.validation.check_inputs(msda_core.Inputs(**inputs))
 
 
 def test_non_contiguous_inputs_are_accepted(inputs):
     inputs["value"] = inputs["value"].transpose(2, 3).contiguous().transpose(2, 3)
     assert not inputs["value"].is_contiguous()
-    msda_core.validation.check_inputs(**inputs)
+    msda_core.validation.check_inputs(msda_core.Inputs(**inputs))
 
 
 def test_non_tensor_is_rejected_by_the_schema(inputs):

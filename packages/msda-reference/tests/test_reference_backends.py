@@ -83,8 +83,9 @@ def test_gather_wrong_level_table_reads_and_writes_only_value(table):
         starts = starts + S
     else:
         shapes = shapes * 4
-    out = gather.forward(value, shapes, starts, loc, weights)
-    grads = gather.backward(kit.grad_output_for(inputs), value, shapes, starts, loc, weights, "auto", False)
+    wrong = msda_core.Inputs(value, shapes, starts, loc, weights)
+    out = gather.forward(wrong)
+    grads = gather.backward(kit.grad_output_for(inputs), wrong, "auto", False)
     assert out.shape == kit.grad_output_for(inputs).shape
     assert [g.shape for g in grads] == [value.shape, loc.shape, weights.shape]
 
@@ -98,17 +99,20 @@ def test_gather_traces_whole():
     grad_output = kit.grad_output_for(inputs)
     args = (value, shapes, starts, loc, weights)
 
-    def backward(grad_output, *args):
-        return gather.backward(grad_output, *args, "auto", False)
+    def forward(*args):
+        return gather.forward(msda_core.Inputs(*args))
 
-    eager = (gather.forward(*args), *backward(grad_output, *args))
+    def backward(grad_output, *args):
+        return gather.backward(grad_output, msda_core.Inputs(*args), "auto", False)
+
+    eager = (forward(*args), *backward(grad_output, *args))
     torch._dynamo.reset()
-    compiled = (torch.compile(gather.forward, fullgraph=True, backend="aot_eager")(*args),
+    compiled = (torch.compile(forward, fullgraph=True, backend="aot_eager")(*args),
                 *torch.compile(backward, fullgraph=True, backend="aot_eager")(grad_output, *args))
 
     class Forward(torch.nn.Module):
         def forward(self, *args):
-            return gather.forward(*args)
+            return forward(*args)
 
     class Backward(torch.nn.Module):
         def forward(self, grad_output, *args):

@@ -10,7 +10,7 @@ import torch
 @pytest.mark.parametrize("case", kit.EDGE_CASES + kit.SMALL_CASES, ids=lambda c: c.name)
 def test_every_case_builds_valid_inputs(case):
     inputs = kit.make_inputs(case, torch.float32)
-    msda_core.validation.check_inputs(**inputs)
+    msda_core.validation.check_inputs(msda_core.Inputs(**inputs))
     assert inputs["sampling_locations"].shape[1] == case.queries
 
 
@@ -61,9 +61,9 @@ def test_parity_check_catches_a_wrong_backend():
     """The parity check must see a convention error: a backend that forgets the -0.5 pixel shift."""
     grid_sample = msda_core.backends()["grid_sample"]
 
-    def shifted(value, shapes, starts, loc, weights):
-        half_pixel = 0.5 / shapes.flip(-1).reshape(1, 1, 1, -1, 1, 2)
-        return grid_sample.forward(value, shapes, starts, loc + half_pixel, weights)
+    def shifted(inputs):
+        half_pixel = 0.5 / inputs.spatial_shapes.flip(-1).reshape(1, 1, 1, -1, 1, 2)
+        return grid_sample.forward(inputs._replace(sampling_locations=inputs.sampling_locations + half_pixel))
 
     msda_core.register(msda_core.Backend("shifted", shifted, grid_sample.backward, grid_sample.devices,
                                          grid_sample.dtypes))
@@ -159,4 +159,4 @@ def test_model_like_is_seeded_and_the_same_in_every_dtype():
     assert torch.equal(a, kit.make_inputs(c, torch.float64)["sampling_locations"])
     assert not torch.equal(a, kit.make_inputs(c, torch.float64, seed=1)["sampling_locations"])
     assert torch.equal(a.bfloat16(), kit.make_inputs(c, torch.bfloat16)["sampling_locations"])
-    msda_core.validation.check_inputs(**kit.make_inputs(c, torch.float16))
+    msda_core.validation.check_inputs(msda_core.Inputs(**kit.make_inputs(c, torch.float16)))

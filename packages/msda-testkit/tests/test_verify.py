@@ -15,9 +15,10 @@ def test_verify_passes_a_correct_backend_and_fails_a_wrong_one():
 
     gather = msda_core.backends()["gather"]
 
-    def forgets_half_pixel(value, shapes, starts, loc, weights):  # a convention slip: no -0.5
-        return gather.forward(value, shapes, starts, loc + 0.5 / shapes.flip(-1).to(loc.dtype).view(1, 1, 1, -1, 1, 2),
-                              weights)
+    def forgets_half_pixel(inputs):  # a convention slip: no -0.5
+        loc = inputs.sampling_locations
+        half_pixel = 0.5 / inputs.spatial_shapes.flip(-1).to(loc.dtype).view(1, 1, 1, -1, 1, 2)
+        return gather.forward(inputs._replace(sampling_locations=loc + half_pixel))
 
     msda_core.register(msda_core.Backend("slipped", forgets_half_pixel, gather.backward, gather.devices, gather.dtypes,
                                          reproducible_on=gather.reproducible_on))

@@ -137,8 +137,8 @@ def test_forward_offsets_past_2_pow_31(dtype, Q, blocks):
     shapes, starts = torch.tensor([[H, W]], device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
     loc = (0.9 + 0.1 * torch.rand(B, Q, M, 1, P, 2, device="cuda", generator=g)).to(dtype)  # the map's far corner
     weights = torch.rand(B, Q, M, 1, P, device="cuda", generator=g).to(dtype)
-    full = backend.forward(value, shapes, starts, loc, weights)
-    alone = backend.forward(value[1:], shapes, starts, loc[1:], weights[1:])
+    full = backend.forward(msda_core.Inputs(value, shapes, starts, loc, weights))
+    alone = backend.forward(msda_core.Inputs(value[1:], shapes, starts, loc[1:], weights[1:]))
     assert torch.equal(full[1:], alone) and alone.abs().sum() > 0
 
 

@@ -110,11 +110,11 @@ def test_deterministic_mode_makes_all_of_grad_value_nan_for_a_nonfinite_grad_out
 
 
 def test_deterministic_mode_refuses_more_terms_than_its_exact_sums_hold():
-    inputs = msda_core.registry.Inputs(torch.device(DEVICE), F32, F32, batch=1, queries=2 ** 19, heads=1,
-                                       head_dim=8, levels=4, points=4, grad_accum="auto", deterministic=True)
-    assert BACKEND.not_supported_reasons(inputs) == [
+    meta = msda_core.Metadata(torch.device(DEVICE), F32, F32, batch=1, queries=2 ** 19, heads=1, head_dim=8,
+                              levels=4, points=4, grad_accum="auto", deterministic=True)
+    assert BACKEND.not_supported_reasons(meta) == [
         "the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got 8388608"]
-    assert BACKEND.not_supported_reasons(inputs._replace(queries=2 ** 19 - 1)) == []
+    assert BACKEND.not_supported_reasons(meta._replace(queries=2 ** 19 - 1)) == []
 
 
 def test_deterministic_none_follows_torch_and_takes_the_fixed_point_path():

@@ -51,8 +51,8 @@ def _composite_op(lib):
 
 def _noop_backend(name, device, dtype, traceable):
     return msda_core.Backend(
-        name, forward=lambda v, s, st, l, w: v.new_empty(msda_core.output_shape(v, l)),
-        backward=lambda g, v, s, st, l, w, accum, det: _outputs_like(v, l, w),
+        name, forward=lambda i: i.value.new_empty(msda_core.output_shape(i.value, i.sampling_locations)),
+        backward=lambda g, i, accum, det: _outputs_like(i.value, i.sampling_locations, i.attention_weights),
         devices=frozenset({device.type}), dtypes=frozenset({dtype}), traceable=traceable)
 
 
@@ -73,10 +73,10 @@ def main(argv=None) -> int:
     grad_output = grad_output_for(inputs)
     for name, traceable in (("overhead_traceable", True), ("overhead_opaque", False)):
         msda_core.register(_noop_backend(name, device, dtype, traceable))
-    chosen = msda_core.resolve(args.backend, msda_core.Inputs.of(value, loc))
+    chosen = msda_core.resolve(args.backend, msda_core.Metadata.of(value, loc))
     lib = torch.library.Library("msda_overhead", "FRAGMENT")
     floor = _composite_op(lib)
-    detached = [t.detach() for t in (value, shapes, starts, loc, weights)]
+    detached = msda_core.Inputs(*(t.detach() for t in (value, shapes, starts, loc, weights)))
     layers = {
         "autograd.Function, no kernel": lambda: _Bare.apply(value, loc, weights),
         "composite op -> autograd.Function, no kernel": lambda: floor(value, shapes, starts, loc, weights),
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                                                                           backend="overhead_traceable"),
         "msda op, no-op opaque backend": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
                                                                        backend="overhead_opaque"),
-        f"backend {chosen.name!r}: its forward alone": lambda: chosen.forward(*detached),
+        f"backend {chosen.name!r}: its forward alone": lambda: chosen.forward(detached),
         f"msda op, backend {chosen.name!r}": lambda: msda_core.deform_attn(value, shapes, starts, loc, weights,
                                                                            backend=chosen.name),
     }

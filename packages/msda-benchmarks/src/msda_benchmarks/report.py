@@ -71,7 +71,7 @@ def rows_for(case, dtype, device, seconds: float, skipped: dict) -> list:
     rows = []
     for name, backend in sorted(msda_core.backends().items()):
         for path, grad_accum, deterministic in _paths(backend):
-            reasons = backend.not_supported_reasons(msda_core.Inputs.of(
+            reasons = backend.not_supported_reasons(msda_core.Metadata.of(
                 inputs["value"], inputs["sampling_locations"], grad_accum, deterministic))
             if reasons:
                 skipped.setdefault((name, "; ".join(reasons)), []).append((path, case.name, dtype_name))

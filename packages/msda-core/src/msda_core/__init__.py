@@ -11,7 +11,7 @@ from .patching import PatchReport, patch, unpatch
 from .registry import (
     Backend,
     BackendUnavailableError,
-    Inputs,
+    Metadata,
     backends,
     register,
     request,
@@ -19,6 +19,7 @@ from .registry import (
     unregister,
     use_backend,
 )
+from .registry import Inputs as Inputs
 from .registry import Request as Request
 from .registry import load_errors as load_errors
 
@@ -28,11 +29,11 @@ __version__ = "0.2.0"
 def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum: str = "auto",
                     deterministic: bool = False) -> str:
     """The name of the backend a call with these tensors would run (raises if none can)."""
-    return resolve(request(backend), Inputs.of(value, sampling_locations, grad_accum, deterministic)).name
+    return resolve(request(backend), Metadata.of(value, sampling_locations, grad_accum, deterministic)).name
 
 
-# What users call. Also importable, for backend authors and tools: Inputs, Request, request, resolve, load_errors,
-# output_shape.
+# What users call. Also importable, for backend authors and tools: Inputs, Metadata, Request, request, resolve,
+# load_errors, output_shape.
 __all__ = [
     "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "nn", "onnx",
     "patch", "register", "resolve_backend", "unpatch", "unregister", "use_backend",

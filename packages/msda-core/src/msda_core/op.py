@@ -45,8 +45,8 @@ def output_shape(value, sampling_locations) -> tuple:
 def _opaque_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
                     sampling_locations: torch.Tensor, attention_weights: torch.Tensor, backend: str) -> torch.Tensor:
     """A backend that is not traceable, run by name: tracing records this call, not the backend's insides."""
-    return registry.get(backend).forward(value, spatial_shapes, level_start_index, sampling_locations,
-                                                attention_weights)
+    return registry.get(backend).forward(
+        registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
 
 
 @_opaque_forward.register_fake
@@ -59,8 +59,8 @@ def _opaque_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_sha
                      level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
                      attention_weights: torch.Tensor, backend: str, grad_accum: str,
                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return registry.get(backend).backward(grad_output, value, spatial_shapes, level_start_index,
-                                                 sampling_locations, attention_weights, grad_accum, deterministic)
+    inputs = registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return registry.get(backend).backward(grad_output, inputs, grad_accum, deterministic)
 
 
 @_opaque_backward.register_fake
@@ -77,32 +77,33 @@ class _Run:
     def __init__(self, backend: registry.Backend, grad_accum: str, deterministic: bool):
         self.backend, self.grad_accum, self.deterministic = backend, grad_accum, deterministic
 
-    def forward(self, *inputs):
+    def forward(self, inputs: registry.Inputs):
         if self.backend.traceable:
-            return self.backend.forward(*inputs)
+            return self.backend.forward(inputs)
         return _opaque_forward(*inputs, self.backend.name)
 
-    def backward(self, grad_output, *inputs):
+    def backward(self, grad_output, inputs: registry.Inputs):
         if self.backend.traceable:
-            return self.backend.backward(grad_output, *inputs, self.grad_accum, self.deterministic)
+            return self.backend.backward(grad_output, inputs, self.grad_accum, self.deterministic)
         return _opaque_backward(grad_output, *inputs, self.backend.name, self.grad_accum, self.deterministic)
 
 
 class DeformAttn(torch.autograd.Function):
-    """The op's autograd: the backend's backward gives all three gradients. Differentiating them again raises."""
+    """The op's autograd: the backend's backward gives all three gradients. Differentiating them again raises.
+    Applied to the five tensors unpacked: autograd tracks an apply's tensor arguments, not a tuple's items."""
 
     @staticmethod
-    def forward(ctx, run, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def forward(ctx, run, *tensors):
         ctx.run = run
-        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return run.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        ctx.save_for_backward(*tensors)
+        return run.forward(registry.Inputs(*tensors))
 
     @staticmethod
     def backward(ctx, grad_output):
         if torch.is_grad_enabled():  # create_graph=True: first-order gradients that refuse a second derivative
             grads = FirstOrderOnly.apply(ctx.run, grad_output.contiguous(), *ctx.saved_tensors)
         else:
-            grads = ctx.run.backward(grad_output.contiguous(), *ctx.saved_tensors)
+            grads = ctx.run.backward(grad_output.contiguous(), registry.Inputs(*ctx.saved_tensors))
         grad_value, grad_locations, grad_weights = grads
         return None, grad_value, None, None, grad_locations, grad_weights
 
@@ -111,8 +112,8 @@ class FirstOrderOnly(torch.autograd.Function):
     """The backward's gradients inside a graph (create_graph=True); differentiating them raises."""
 
     @staticmethod
-    def forward(ctx, run, grad_output, *inputs):
-        return run.backward(grad_output, *inputs)
+    def forward(ctx, run, grad_output, *tensors):
+        return run.backward(grad_output, registry.Inputs(*tensors))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -125,16 +126,17 @@ def _deterministic(deterministic) -> bool:
     return torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
 
 
-def _level_start_index(spatial_shapes, level_start_index):
-    if level_start_index is not None:
-        return level_start_index
-    sizes = spatial_shapes.to(torch.int64).prod(1)  # on the device: no host sync, also inside graph capture
-    return sizes.cumsum(0) - sizes
+def _with_level_starts(inputs: registry.Inputs) -> registry.Inputs:
+    """The inputs with level_start_index derived from spatial_shapes where the caller passed None."""
+    if inputs.level_start_index is not None:
+        return inputs
+    sizes = inputs.spatial_shapes.to(torch.int64).prod(1)  # on the device: no host sync, also inside graph capture
+    return inputs._replace(level_start_index=sizes.cumsum(0) - sizes)
 
 
-def _no_terms(value, sampling_locations) -> bool:
+def _no_terms(inputs: registry.Inputs) -> bool:
     """B, Q, M, D or P of zero: the sum has no terms, so the result is zeros and no kernel runs."""
-    return value.numel() == 0 or sampling_locations.numel() == 0
+    return inputs.value.numel() == 0 or inputs.sampling_locations.numel() == 0
 
 
 def _zeros_of(shape, *tensors):
@@ -143,45 +145,42 @@ def _zeros_of(shape, *tensors):
     return tensors[0].new_zeros(shape) + anchor.to(tensors[0].dtype)
 
 
-def _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum,
-            deterministic: bool, grad_output=None) -> registry.Backend:
+def _choose(inputs: registry.Inputs, backend, grad_accum, deterministic: bool,
+            grad_output=None) -> registry.Backend:
     """Validate the call (and the backward's grad_output), then the backend that runs it: what both public ops do
     first."""
     check_grad_accum(grad_accum)
-    check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    check_inputs(inputs)
     if grad_output is not None:
-        check_grad_output(grad_output, value, sampling_locations)
+        check_grad_output(grad_output, inputs.value, inputs.sampling_locations)
     return registry.resolve(registry.request(backend),
-                            registry.Inputs.of(value, sampling_locations, grad_accum, deterministic))
+                            registry.Metadata.of(inputs.value, inputs.sampling_locations, grad_accum, deterministic))
 
 
 def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
                  backend="auto", grad_accum="auto", deterministic=None):
+    inputs = registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     differentiable = (value, sampling_locations, attention_weights)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     deterministic = needs_grad and _deterministic(deterministic)  # only the backward can be nondeterministic
-    chosen = _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
-                     grad_accum, deterministic)
-    if _no_terms(value, sampling_locations):
+    chosen = _choose(inputs, backend, grad_accum, deterministic)
+    if _no_terms(inputs):
         return _zeros_of(output_shape(value, sampling_locations), *differentiable)
-    args = (value, spatial_shapes, _level_start_index(spatial_shapes, level_start_index), sampling_locations,
-            attention_weights)
+    inputs = _with_level_starts(inputs)
     run = _Run(chosen, grad_accum, deterministic)
     if needs_grad:
-        return DeformAttn.apply(run, *args)
-    return run.forward(*args)
+        return DeformAttn.apply(run, *inputs)
+    return run.forward(inputs)
 
 
 def _deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights, *, backend="auto", grad_accum="auto", deterministic=None):
+    inputs = registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     deterministic = _deterministic(deterministic)
-    chosen = _choose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
-                     grad_accum, deterministic, grad_output)
-    if _no_terms(value, sampling_locations):
+    chosen = _choose(inputs, backend, grad_accum, deterministic, grad_output)
+    if _no_terms(inputs):
         return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
-    return _Run(chosen, grad_accum, deterministic).backward(
-        grad_output.contiguous(), value, spatial_shapes, _level_start_index(spatial_shapes, level_start_index),
-        sampling_locations, attention_weights)
+    return _Run(chosen, grad_accum, deterministic).backward(grad_output.contiguous(), _with_level_starts(inputs))
 
 
 _LIBRARY.impl("deform_attn", _deform_attn, "CompositeImplicitAutograd")

@@ -9,6 +9,11 @@ Which backend a call asks for, first match wins: the op's ``backend=`` argument 
 ``"auto"``, the innermost :func:`use_backend` scope of the calling thread or task, the ``MSDA_BACKEND``
 environment variable, else ``"auto"``. ``"auto"`` takes the highest-priority backend that supports the
 inputs and lists their device type in its ``auto_devices``.
+
+A backend's ``forward(inputs)`` takes one :class:`Inputs`, the five tensors, and
+``backward(grad_output, inputs, grad_accum, deterministic)`` returns the three gradients; selection and a
+backend's ``limits`` see only :class:`Metadata`. (Backends written for 0.2.0 took the five tensors as separate
+arguments: wrap them, ``forward=lambda inputs: old_forward(*inputs)``.)
 """
 
 from __future__ import annotations
@@ -33,6 +38,18 @@ FIRST_PARTY = {"naive": "msda-reference", "grid_sample": "msda-reference", "gath
 
 
 class Inputs(NamedTuple):
+    """The op's five input tensors, in the op's order: what validation checks and every backend's forward and
+    backward take (unpack with ``*inputs`` where a torch.library op needs them as separate tensors). A backend
+    always gets a ``level_start_index`` tensor; only the public op's caller may pass None."""
+
+    value: torch.Tensor  # (B, S, M, D)
+    spatial_shapes: torch.Tensor  # (L, 2): (H, W) per level
+    level_start_index: torch.Tensor  # (L,)
+    sampling_locations: torch.Tensor  # (B, Q, M, L, P, 2): (x, y) in [0, 1]
+    attention_weights: torch.Tensor  # (B, Q, M, L, P)
+
+
+class Metadata(NamedTuple):
     """What selection may look at: metadata only, never tensor values, since selection also runs while
     torch.compile and torch.export trace the op. A named tuple: it is made and hashed on every call."""
 
@@ -50,7 +67,7 @@ class Inputs(NamedTuple):
 
     @classmethod
     def of(cls, value: torch.Tensor, sampling_locations: torch.Tensor, grad_accum: str = "auto",
-           deterministic: bool = False) -> Inputs:
+           deterministic: bool = False) -> Metadata:
         B, Q, M, L, P, _ = sampling_locations.shape
         return cls(value.device, value.dtype, sampling_locations.dtype, B, Q, M, value.shape[3], L, P, grad_accum,
                    deterministic)
@@ -67,8 +84,8 @@ class Backend:
     """
 
     name: str
-    forward: Callable  # (value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> out
-    backward: Callable  # (grad_output, value, ..., attention_weights, grad_accum, deterministic) -> 3 gradients
+    forward: Callable[[Inputs], torch.Tensor]  # (inputs) -> out
+    backward: Callable  # (grad_output, inputs, grad_accum, deterministic) -> (grad_value, grad_locations, grad_weights)
     devices: frozenset  # device types it runs on
     dtypes: frozenset  # dtypes of value it accepts
     auto_devices: frozenset = frozenset()  # device types on which "auto" may choose it
@@ -77,18 +94,18 @@ class Backend:
     reproducible_on: frozenset = frozenset()  # device types where its backward gives the same bits every run
     deterministic_on_request: bool = False  # deterministic=True makes its backward reproducible on any device
     honors_grad_accum: bool = False  # it scatters grad_value with atomic adds, in the dtype grad_accum picks
-    limits: Callable[[Inputs], list] = field(default=lambda inputs: [])  # further reasons it can't run
+    limits: Callable[[Metadata], list] = field(default=lambda meta: [])  # further reasons it can't run
 
-    def not_supported_reasons(self, inputs: Inputs) -> list:
+    def not_supported_reasons(self, meta: Metadata) -> list:
         reasons = []
-        if inputs.device.type not in self.devices:
-            reasons.append(f"device type {inputs.device.type!r} not in {sorted(self.devices)}")
-        if inputs.value_dtype not in self.dtypes:
-            reasons.append(f"dtype {inputs.value_dtype} not supported")
-        if (inputs.deterministic and inputs.device.type not in self.reproducible_on
+        if meta.device.type not in self.devices:
+            reasons.append(f"device type {meta.device.type!r} not in {sorted(self.devices)}")
+        if meta.value_dtype not in self.dtypes:
+            reasons.append(f"dtype {meta.value_dtype} not supported")
+        if (meta.deterministic and meta.device.type not in self.reproducible_on
                 and not self.deterministic_on_request):
-            reasons.append(f"its backward is not deterministic on {inputs.device.type!r}")
-        return reasons + list(self.limits(inputs))
+            reasons.append(f"its backward is not deterministic on {meta.device.type!r}")
+        return reasons + list(self.limits(meta))
 
 
 @dataclass(frozen=True)
@@ -123,7 +140,7 @@ _load_errors: dict = {}
 _discovered = False
 _lock = threading.RLock()  # discovery and changes; lookups of a filled registry take no lock
 _scope: contextvars.ContextVar = contextvars.ContextVar("msda_use_backend", default=())  # _Scopes, innermost last
-_resolved: dict = {}  # (request name, Inputs) -> Backend; emptied on any change of the registry
+_resolved: dict = {}  # (request name, Metadata) -> Backend; emptied on any change of the registry
 
 
 def register(backend: Backend | LazyBackend) -> None:
@@ -256,18 +273,18 @@ def _candidates_report(rows: list) -> str:
     return "\n".join(f"  {name}: {reason}" for name, reason in rows)
 
 
-def resolve(wanted: Request | str, inputs: Inputs) -> Backend:
-    """The backend that runs ``inputs`` for ``wanted`` (a Request, a name or "auto"), or
+def resolve(wanted: Request | str, meta: Metadata) -> Backend:
+    """The backend that runs inputs of ``meta`` for ``wanted`` (a Request, a name or "auto"), or
     BackendUnavailableError."""
     if isinstance(wanted, str):
         wanted = request(wanted)
-    key = (wanted.name, inputs)
+    key = (wanted.name, meta)
     try:
         chosen = _resolved.get(key)
     except TypeError:  # symbolic sizes (tracing with dynamic shapes) are unhashable: select without the memo
-        return _select(wanted, inputs)
+        return _select(wanted, meta)
     if chosen is None:
-        chosen = _select(wanted, inputs)
+        chosen = _select(wanted, meta)
         with _lock:
             if len(_resolved) >= 4096:  # shapes vary with image size: bound the memo, don't grow forever
                 _resolved.clear()
@@ -275,26 +292,26 @@ def resolve(wanted: Request | str, inputs: Inputs) -> Backend:
     return chosen
 
 
-def _select(wanted: Request, inputs: Inputs) -> Backend:
+def _select(wanted: Request, meta: Metadata) -> Backend:
     _discover()
     rows = []
     if wanted.name == "auto":
         for lazy in list(_lazy.values()):
-            if inputs.device.type in lazy.auto_devices:
+            if meta.device.type in lazy.auto_devices:
                 _load(lazy.name)
-        rows += [(lazy.name, f"auto does not choose it on {inputs.device.type!r} (ask for it by name)")
+        rows += [(lazy.name, f"auto does not choose it on {meta.device.type!r} (ask for it by name)")
                  for lazy in _lazy.values()]
         ranked = sorted(_backends.values(), key=lambda b: -b.priority)
         for b in ranked:
-            reasons = b.not_supported_reasons(inputs)
-            if not reasons and inputs.device.type not in b.auto_devices:
-                reasons = [f"auto does not choose it on {inputs.device.type!r} (ask for it by name)"]
+            reasons = b.not_supported_reasons(meta)
+            if not reasons and meta.device.type not in b.auto_devices:
+                reasons = [f"auto does not choose it on {meta.device.type!r} (ask for it by name)"]
             if not reasons:
                 return b
             rows.append((b.name, "; ".join(reasons)))
         rows += _error_rows()
         raise BackendUnavailableError(
-            f"backend: no backend supports these inputs ({_describe(inputs)}); candidates:\n"
+            f"backend: no backend supports these inputs ({_describe(meta)}); candidates:\n"
             + (_candidates_report(rows) or "  (none installed: install msda-reference)")
         )
     origin = f" (asked for by {wanted.origin})"
@@ -302,13 +319,13 @@ def _select(wanted: Request, inputs: Inputs) -> Backend:
         _load(wanted.name)
     if wanted.name in _backends:
         b = _backends[wanted.name]
-        reasons = b.not_supported_reasons(inputs)
+        reasons = b.not_supported_reasons(meta)
         if not reasons:
             return b
-        others = [(n, "; ".join(o.not_supported_reasons(inputs)) or "supports these inputs")
+        others = [(n, "; ".join(o.not_supported_reasons(meta)) or "supports these inputs")
                   for n, o in _backends.items() if n != wanted.name] + [(n, "not imported") for n in _lazy]
         raise BackendUnavailableError(
-            f"backend: {wanted.name!r}{origin} cannot run these inputs ({_describe(inputs)}): {'; '.join(reasons)}\n"
+            f"backend: {wanted.name!r}{origin} cannot run these inputs ({_describe(meta)}): {'; '.join(reasons)}\n"
             f"other backends:\n{_candidates_report(others + _error_rows())}"
         )
     if wanted.name in _load_errors:
@@ -320,7 +337,7 @@ def _select(wanted: Request, inputs: Inputs) -> Backend:
         raise BackendUnavailableError(
             f"backend: {wanted.name!r}{origin} is provided by the package {package}, which is not installed "
             f"(pip install ./packages/{package})")
-    known = [(n, "; ".join(b.not_supported_reasons(inputs)) or "supports these inputs") for n, b in _backends.items()]
+    known = [(n, "; ".join(b.not_supported_reasons(meta)) or "supports these inputs") for n, b in _backends.items()]
     known += [(n, "not imported") for n in _lazy]
     raise BackendUnavailableError(
         f"backend: expected 'auto' or one of {names()[1:]}, got {wanted.name!r}"
@@ -332,9 +349,9 @@ def _error_rows() -> list:
     return [(name, f"failed to import: {err!r}") for name, err in _load_errors.items()]
 
 
-def _describe(inputs: Inputs) -> str:
+def _describe(meta: Metadata) -> str:
     return (
-        f"device={inputs.device}, value dtype={inputs.value_dtype}, location dtype={inputs.location_dtype}, "
-        f"B={inputs.batch}, Q={inputs.queries}, M={inputs.heads}, D={inputs.head_dim}, "
-        f"L={inputs.levels}, P={inputs.points}, grad_accum={inputs.grad_accum!r}, deterministic={inputs.deterministic}"
+        f"device={meta.device}, value dtype={meta.value_dtype}, location dtype={meta.location_dtype}, "
+        f"B={meta.batch}, Q={meta.queries}, M={meta.heads}, D={meta.head_dim}, "
+        f"L={meta.levels}, P={meta.points}, grad_accum={meta.grad_accum!r}, deterministic={meta.deterministic}"
     )

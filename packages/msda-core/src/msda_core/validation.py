@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .registry import Inputs
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -36,9 +38,10 @@ def _values_readable(*tensors) -> bool:
         for t in tensors if t is not None)
 
 
-def check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+def check_inputs(inputs: Inputs) -> None:
     """Raise ValueError/TypeError naming the first malformed argument, what was expected (and where each expected
-    size came from) and what it got."""
+    size came from) and what it got. ``level_start_index`` may be None."""
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
     tensors = {
         "value": value,
         "spatial_shapes": spatial_shapes,

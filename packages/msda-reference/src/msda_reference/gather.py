@@ -154,11 +154,9 @@ def _finite_pixel(value):
     return torch.cat((finite, finite.new_zeros(1))).argmax()
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    B, S, M, D = value.shape
-    _, Q, _, L, P, _ = sampling_locations.shape
-    with _sized_threads(B * Q * M * 4 * L * P):
-        return _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+def forward(inputs):
+    with _sized_threads(4 * inputs.attention_weights.numel()):  # B*Q*M*4*L*P taps
+        return _forward(*inputs)
 
 
 def _forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -191,12 +189,9 @@ def _bags(rows, table, weights):
     return F.embedding_bag(torch.cat((rows, rows), 1), table, mode="sum", per_sample_weights=torch.cat((high, low), 1))
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum, deterministic):
-    B, S, M, D = value.shape
-    _, Q, _, L, P, _ = sampling_locations.shape
-    with _sized_threads(B * Q * M * 4 * L * P):
-        return _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+def backward(grad_output, inputs, grad_accum, deterministic):
+    with _sized_threads(4 * inputs.attention_weights.numel()):
+        return _backward(grad_output, *inputs)
 
 
 def _backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):

@@ -37,9 +37,10 @@ def pixels_finite(spatial_shapes, sampling_locations, dtype):
 _OUTSIDE = -4.0  # a grid coordinate far outside [-1, 1]: zeros padding gives 0 and no gradient
 
 
-def _per_level(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+def _per_level(inputs):
     """Yield, per level: value as (B*M, D, H, W), grid as (B*M, Q, P, 2) with non-finite and far points
     moved outside the map, the mask of finite points (B*M, 1, Q, P) and weights as (B*M, Q, P)."""
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
     B, S, M, D = value.shape
     Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
     dtype = compute_dtype(value, sampling_locations)
@@ -61,29 +62,27 @@ def _sample(value_l, grid_l, finite_l):
     return sampled.masked_fill(~finite_l, torch.nan)
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    B, S, M, D = value.shape
-    Q = sampling_locations.shape[1]
+def forward(inputs):
+    B, S, M, D = inputs.value.shape
+    Q = inputs.sampling_locations.shape[1]
     out = None
-    for _, _, value_l, grid_l, finite_l, weights_l in _per_level(value, spatial_shapes, level_start_index,
-                                                                   sampling_locations, attention_weights):
+    for _, _, value_l, grid_l, finite_l, weights_l in _per_level(inputs):
         sampled = _sample(value_l, grid_l, finite_l)
         term = (sampled * weights_l[:, None]).sum(-1)  # (B*M, D, Q)
         term += (weights_l - weights_l).sum(-1)[:, None]  # a non-finite weight: NaN over its output row
         out = term if out is None else out + term
-    return out.reshape(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D).to(value.dtype).contiguous()
+    return out.reshape(B, M, D, Q).permute(0, 3, 1, 2).reshape(B, Q, M * D).to(inputs.value.dtype).contiguous()
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum, deterministic):
+def backward(grad_output, inputs, grad_accum, deterministic):
+    value, spatial_shapes, _, sampling_locations, attention_weights = inputs
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     dtype = compute_dtype(value, sampling_locations)
     g = grad_output.to(dtype).reshape(B, Q, M, D).permute(0, 2, 3, 1).reshape(B * M, D, Q, 1)
     grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
     grad_locations, grad_weights = [], []
-    for _, (start, H, W), value_l, grid_l, finite_l, weights_l in _per_level(
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    for _, (start, H, W), value_l, grid_l, finite_l, weights_l in _per_level(inputs):
         sampled = _sample(value_l, grid_l, finite_l)
         grad_weights.append((g * sampled).sum(1))  # (B*M, Q, P)
         grad_value_l, grad_grid_l = torch.ops.aten.grid_sampler_2d_backward(

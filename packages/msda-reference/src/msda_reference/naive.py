@@ -49,7 +49,8 @@ def _finite_samples(value, spatial_shapes, sampling_locations):
     return pixels_finite(spatial_shapes, sampling_locations, compute_dtype(value, sampling_locations)).tolist()
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+def forward(inputs):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     v = value.double().tolist()
@@ -77,8 +78,8 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     return torch.tensor(out, dtype=torch.float64).reshape(B, Q, M * D).to(value.dtype)
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum, deterministic):
+def backward(grad_output, inputs, grad_accum, deterministic):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
     B, S, M, D = value.shape
     _, Q, _, L, P, _ = sampling_locations.shape
     v = value.double().tolist()
@@ -122,8 +123,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     return as_tensor(g_value, value), as_tensor(g_loc, sampling_locations), as_tensor(g_att, attention_weights)
 
 
-def _limits(inputs):
-    work = inputs.batch * inputs.queries * inputs.heads * inputs.levels * inputs.points * inputs.head_dim
+def _limits(meta):
+    work = meta.batch * meta.queries * meta.heads * meta.levels * meta.points * meta.head_dim
     if work > MAX_WORK:
         return [f"too large for the naive Python loops ({work} sampled channels > {MAX_WORK})"]
     return []

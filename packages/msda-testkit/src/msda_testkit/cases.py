@@ -6,13 +6,13 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from msda_core import output_shape
+from msda_core import Inputs, output_shape
 from msda_core.validation import level_starts
 
 DETR_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))  # Deformable DETR at 800x1333, strides 8..64
 DETR_S = sum(h * w for h, w in DETR_LEVELS)  # 22223
 TINY_LEVELS = ((6, 4), (3, 2))  # the anchors' gradcheck levels
-ARGUMENTS = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")  # in order
+ARGUMENTS = Inputs._fields  # the op's five input tensors' names, in order
 DIFFERENTIABLE = ("value", "sampling_locations", "attention_weights")  # the arguments that have gradients
 
 

@@ -187,18 +187,17 @@ def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
     return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """The output, from the body directly when eager, else through the triton_op that tracing records."""
-    run = _forward if _eager(value) else _triton_forward
-    return run(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+def forward(inputs):
+    """The output, from the body directly when eager, else through the triton_op that tracing records (a
+    torch.library op takes the tensors as separate arguments)."""
+    run = _forward if _eager(inputs.value) else _triton_forward
+    return run(*inputs)
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             grad_accum, deterministic):
+def backward(grad_output, inputs, grad_accum, deterministic):
     """The three gradients, as forward: the body directly when eager, else the triton_op."""
-    run = _backward if _eager(value) else _triton_backward
-    return run(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-               grad_accum, deterministic)
+    run = _backward if _eager(inputs.value) else _triton_backward
+    return run(grad_output, *inputs, grad_accum, deterministic)
 
 
 @functools.cache
@@ -207,13 +206,13 @@ def _capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
-def _limits(inputs) -> list:
-    if inputs.device.type == "cuda" and _capability(inputs.device) < (8, 0):
-        return [f"needs compute capability 8.0+, {inputs.device} has {'.'.join(map(str, _capability(inputs.device)))}"]
-    terms = inputs.queries * inputs.levels * inputs.points  # the most an element of grad_value receives
-    if inputs.deterministic and terms >= kernels.MAX_EXACT_TERMS.value:
+def _limits(meta) -> list:
+    if meta.device.type == "cuda" and _capability(meta.device) < (8, 0):
+        return [f"needs compute capability 8.0+, {meta.device} has {'.'.join(map(str, _capability(meta.device)))}"]
+    terms = meta.queries * meta.levels * meta.points  # the most an element of grad_value receives
+    if meta.deterministic and terms >= kernels.MAX_EXACT_TERMS.value:
         return [f"the deterministic mode's exact fp32 sums need Q*L*P < 2^23 terms per element, got {terms}"]
-    if INTERPRETED and inputs.value_dtype == torch.bfloat16 and inputs.grad_accum == "native":
+    if INTERPRETED and meta.value_dtype == torch.bfloat16 and meta.grad_accum == "native":
         return ["Triton's interpreter has no bf16 atomic add: use grad_accum='fp32' or 'auto' on CPU"]
     return []
 
