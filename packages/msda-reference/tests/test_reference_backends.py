@@ -148,6 +148,7 @@ OPCHECK_AOT_CASES = ("tiny", "no_level_start", "non_contiguous")  # every check,
 OPCHECK_FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
 @pytest.mark.parametrize(("case", "backend"), list(zip(kit.EDGE_CASES, itertools.cycle(("grid_sample", "gather")))),
                          ids=lambda x: getattr(x, "name", x))
 def test_opcheck_both_ops(case, backend):

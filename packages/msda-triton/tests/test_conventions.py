@@ -59,6 +59,7 @@ def test_an_inf_weight_on_the_map_gives_a_nan_row():
 
 
 @needs_kernels
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy, on purpose
 def test_locations_whose_pixel_coordinate_overflows_fp32_are_nan():
     inputs = _inputs(Q=3)
     big = torch.finfo(torch.float32).max / 2
@@ -69,6 +70,7 @@ def test_locations_whose_pixel_coordinate_overflows_fp32_are_nan():
 
 
 @needs_kernels
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on inf
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_nonfinite_value_off_the_map_changes_nothing(bad):
     inputs = _inputs()
