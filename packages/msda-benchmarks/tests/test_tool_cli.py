@@ -23,12 +23,7 @@ def test_help_names_the_command_and_every_option(name, capsys, monkeypatch):
 
 @pytest.mark.parametrize("name", ["report", "bench", "overhead", "deploy"])
 def test_a_cuda_device_that_is_not_there_is_one_line(name, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exit_:
-        TOOLS[name].main(["--device", "cuda"])
-    message = str(exit_.value.code)
-    assert message.startswith(f"python -m msda_benchmarks.{name}: --device cuda: no CUDA device here")
-    assert "\n" not in message
+    cli.assert_absent_cuda_is_one_line(TOOLS[name].main, f"msda_benchmarks.{name}", monkeypatch)
 
 
 def test_a_device_torch_does_not_know_is_one_line():

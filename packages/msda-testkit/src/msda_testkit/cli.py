@@ -70,6 +70,20 @@ def assert_help_is_complete(main, command: str, monkeypatch, capsys) -> None:
             assert "(default: " in formatter._get_help_string(action), action.option_strings
 
 
+def assert_absent_cuda_is_one_line(main, command: str, monkeypatch) -> None:
+    """A tool asked for ``--device cuda`` where torch sees no GPU ends in one line naming the command, not a
+    traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        main(["--device", "cuda"])
+    except SystemExit as exit_:
+        message = str(exit_.code)
+    else:
+        raise AssertionError(f"{command} --device cuda ran without a GPU")
+    assert message.startswith(f"python -m {command}: --device cuda: no CUDA device here"), message
+    assert "\n" not in message, message
+
+
 def write_results(path: str, environment: dict, rows: list) -> None:
     """The tools' JSON: where and on what they ran, and their rows."""
     with open(path, "w") as f:
