@@ -1,7 +1,7 @@
 """Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx and integrations; the rest need a GPU machine or an
 explicit call.
 
-- lint: ruff on the whole tree (ruff.toml).
+- lint: ruff on the whole tree (ruff.toml); no two packages' test files share a name.
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
 - cpu: each package installed from its wheel with its declared dependencies (its [test] extra included) and its
   own tests run (first, mypy on msda-core and msda-reference: mypy.ini, against the session's torch):
@@ -57,6 +57,10 @@ def build_wheels(session) -> dict:
 def lint(session):
     session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
+    names = [os.path.basename(p) for d in TEST_DIRS for p in glob.glob(f"{d}/*.py")]
+    shared = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
+    if shared:  # one pytest run over every package (gpu) imports test modules by file name
+        session.error(f"test files share a name across packages, which nox -s gpu cannot collect: {shared}")
 
 
 @nox.session

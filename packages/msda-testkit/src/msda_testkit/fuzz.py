@@ -63,7 +63,7 @@ MALFORMATIONS = {
 # How the differentiable tensors are stored: the same values, other strides
 MEMORY_LAYOUTS = {
     "contiguous": lambda t: t,
-    "gapped": lambda t: torch.empty(*t.shape, 2, dtype=t.dtype)[..., 0].copy_(t),  # a gap after every element
+    "gapped": lambda t: t.new_empty(*t.shape, 2)[..., 0].copy_(t),  # a gap after every element
     "queries innermost": lambda t: t.transpose(1, -1).contiguous().transpose(1, -1),
 }
 
@@ -85,7 +85,7 @@ class Call:
 
 
 @st.composite
-def calls(draw, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)) -> Call:
+def calls(draw, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16), device="cpu") -> Call:
     levels = tuple(draw(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=3)))
     dtype = draw(st.sampled_from(dtypes))
     batch, queries = draw(st.sampled_from((1, 2) * 4 + (0,))), draw(st.sampled_from((1, 2, 3) * 3 + (0,)))
@@ -94,7 +94,7 @@ def calls(draw, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloa
                 levels=levels, points=draw(st.integers(1, 3)), layout=draw(st.sampled_from(layouts)),
                 pass_level_start=draw(st.booleans()), index_dtype=draw(st.sampled_from([torch.int64, torch.int32])))
     location_dtype = torch.float32 if dtype in HALF and draw(st.booleans()) else dtype
-    inputs = make_inputs(case, dtype, location_dtype, seed=draw(st.integers(0, 2 ** 16)))
+    inputs = make_inputs(case, dtype, location_dtype, device=device, seed=draw(st.integers(0, 2 ** 16)))
     if batch * queries:  # one sample at a level's centre: the results' scale is that of the inputs (module doc)
         inputs["sampling_locations"][0, 0, 0, 0, 0] = 0.5
     memory = draw(st.sampled_from(list(MEMORY_LAYOUTS)))
@@ -125,9 +125,9 @@ def fresh_seed() -> int:
     return int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(2 ** 32))
 
 
-def fuzz(backend: str, max_examples: int, seed: int | None = None, dtypes=None) -> None:
-    """Run the property on ``backend``; see the module docstring for ``seed``."""
-    strategy = calls(dtypes) if dtypes else calls()
+def fuzz(backend: str, max_examples: int, seed: int | None = None, dtypes=None, device="cpu") -> None:
+    """Run the property on ``backend`` with inputs on ``device``; see the module docstring for ``seed``."""
+    strategy = calls(dtypes, device) if dtypes else calls(device=device)
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
