@@ -9,6 +9,8 @@ def test_peers_says_why_it_does_not_run(capsys, monkeypatch):
     assert peers.main([]) == 2
     assert "CUDA GPU" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(peers, "PEERS", {"no_such_peer": ("no_such_module_for_msda", "f")})
+    def absent():
+        import no_such_module_for_msda  # noqa: F401
+    monkeypatch.setattr(peers, "PEERS", {"no_such_peer": ("no-such-distribution", absent)})
     assert peers.main([]) == 2
     assert "no peer is installed: no_such_peer" in capsys.readouterr().out

@@ -4,14 +4,19 @@ The bench's inputs (GPU_CASES, in each location distribution) and timing: called
 triton's do_bench, and replayed from a CUDA graph (None where a call cannot be captured); backward =
 forward+backward minus forward through torch.autograd.grad. The implementations take turns for ``--rounds``
 rounds and each figure is the median over them, so that the host's speed, which drifts within a lease,
-weighs on all alike. Peers: deformops (its default selection, ``deformops.registry.msda``), when installed.
+weighs on all alike. Each row also gives the forward's error against float64 (``grid_sample`` on the inputs
+upcast), over the largest |result|: a peer is a fair comparison only where that error is the dtype's rounding.
+
+Peers, each where it imports: deformops (its default selection, and its CUDA backend), and Deformable DETR's
+CUDA extension (the module ``MultiScaleDeformableAttention`` its ``models/ops`` builds; fp32 and fp64 only),
+called through an autograd Function of ours. A peer that refuses a dtype is left out of that dtype's rows.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import statistics
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from msda_testkit import cli
@@ -30,17 +35,60 @@ from .bench import (
 )
 from .timing import graph_ms, median_ms
 
-PEERS = {"deformops": ("deformops.registry", "msda")}  # name -> (module, callable with the op's five tensors)
+EXTENSION_IM2COL_STEP = 64  # what Deformable DETR's module passes
+
+
+def _deformops(backend: str | None = None):
+    from deformops.registry import Backend, msda
+    chosen = None if backend is None else Backend(backend)  # its own enum: it refuses a plain string
+    return lambda *args: msda(*args, backend=chosen)
+
+
+def _extension():
+    import MultiScaleDeformableAttention as ext  # the name Deformable DETR's setup.py builds
+
+    class Extension(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value, shapes, starts, locations, weights):
+            ctx.save_for_backward(value, shapes, starts, locations, weights)
+            return ext.ms_deform_attn_forward(value, shapes, starts, locations, weights, EXTENSION_IM2COL_STEP)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            value, shapes, starts, locations, weights = ctx.saved_tensors
+            grads = ext.ms_deform_attn_backward(value, shapes, starts, locations, weights,
+                                                grad_output.contiguous(), EXTENSION_IM2COL_STEP)
+            return grads[0], None, None, grads[1], grads[2]
+
+    return lambda value, shapes, starts, locations, weights: Extension.apply(value, shapes.long(), starts.long(),
+                                                                             locations, weights)
+
+
+# name -> (the distribution whose version is recorded, a loader returning a callable of the op's five tensors)
+PEERS = {"deformops": ("deformops", _deformops),
+         "deformops CUDA": ("deformops", lambda: _deformops(backend="cuda")),
+         "CUDA ext": ("MultiScaleDeformableAttention", _extension)}
 
 
 def _installed_peers() -> dict:
     found = {}
-    for name, (module, attribute) in PEERS.items():
+    for name, (_, load) in PEERS.items():
         try:
-            found[name] = getattr(importlib.import_module(module), attribute)
+            found[name] = load()
         except ImportError:
             print(f"{name} is not installed: skipped")
     return found
+
+
+def _relative_error(result, reference) -> float:
+    return ((result.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+def _version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "built from source"
 
 
 def main(argv=None) -> int:
@@ -65,11 +113,21 @@ def main(argv=None) -> int:
     for case in (with_layout(c, layout) for c in GPU_CASES for layout in args.layouts):
         for dtype_name in args.dtypes:
             inputs = make_inputs(case, DTYPES[dtype_name], device=device)
+            reference = torch.ops.msda.deform_attn(**{k: (v.double() if v.is_floating_point() else v)
+                                                       for k, v in inputs.items()}, backend="grid_sample")
             leaves = training_leaves(inputs)
             grad_output = grad_output_for(inputs)
             calls = {"msda (triton)": lambda: torch.ops.msda.deform_attn(**leaves, backend="triton")}
-            calls |= {name: (lambda fn=fn: fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape))
-                      for name, fn in peers.items()}
+            for name, fn in peers.items():
+                def call(fn=fn):
+                    return fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape)
+
+                try:
+                    call()
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+                    print(f"{name} refuses {case.name} {dtype_name}: {str(err).splitlines()[0]}")
+                    continue
+                calls[name] = call
             ours = calls["msda (triton)"]().float()
             both_calls = {name: with_backward(fn, leaves, grad_output) for name, fn in calls.items()}
             times = {name: {"fwd": [], "both": [], "fwd_graph": [], "both_graph": []} for name in calls}
@@ -81,13 +139,15 @@ def main(argv=None) -> int:
                         times[name][key].append(ms)
             for name, fn in calls.items():
                 t = {key: statistics.median(v) if None not in v else None for key, v in times[name].items()}
+                result = fn()
                 rows.append({"case": case.name, "locations": case.layout, "dtype": dtype_name, "implementation": name,
                              "fwd_ms": t["fwd"], "bwd_ms": t["both"] - t["fwd"], "fwd_graph_ms": t["fwd_graph"],
                              "bwd_graph_ms": backward_ms(t["both_graph"], t["fwd_graph"]),
-                             "max_abs_diff_from_msda": (fn().float() - ours).abs().max().item()})
+                             "fwd_error_vs_fp64": _relative_error(result, reference),
+                             "max_abs_diff_from_msda": (result.float() - ours).abs().max().item()})
                 print(rows[-1], flush=True)
     env = environment(device)
-    env.update({name: importlib.import_module(PEERS[name][0].split(".")[0]).__version__ for name in peers})
+    env.update({name: _version(PEERS[name][0]) for name in peers})
     print(json.dumps(env))
     print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".4g"))
     cli.write_results(args.json, env, rows)

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from .cases import ARGUMENTS, DIFFERENTIABLE, Case, make_inputs
-from .parity import check_parity
+from .cases import ARGUMENTS, DIFFERENTIABLE, Case, grad_output_for, make_inputs, upcast
+from .parity import check_parity, run
 
 SEED_VARIABLE = "MSDA_FUZZ_SEED"
 LAYOUTS = ("random", "pixel_centres", "map_corners", "past_edges", "nonfinite")
@@ -107,7 +107,14 @@ def calls(draw, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloa
 
 def check(call: Call, backend: str) -> None:
     if call.malformation is None:
-        failed = [str(r) for r in check_parity(call.inputs, backend, "naive") if not r.passed]
+        inputs = call.inputs
+        grad_output = grad_output_for(inputs)
+        # naive runs on the CPU only: its float64 results on CPU copies, moved to the inputs' device
+        on_cpu = upcast(inputs, torch.float64, device="cpu")
+        device = inputs["value"].device
+        expected = {k: v.to(device) for k, v in run(on_cpu, "naive", grad_output.cpu().double()).items()}
+        failed = [str(r) for r in check_parity(inputs, backend, grad_output=grad_output, expected=expected)
+                  if not r.passed]
         assert not failed, f"{backend} against float64 naive:\n" + "\n".join(failed)
         return
     arg = MALFORMATIONS[call.malformation][0]
