@@ -12,8 +12,7 @@ import pytest
 import torch
 import triton
 from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity, wrong_level_table
-from msda_triton import kernels
-from msda_triton.backend import BACKEND, accumulates_in_fp32, descriptors_fit, launch_backward, launch_forward
+from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
@@ -170,37 +169,3 @@ def test_a_level_outside_value_contributes_nothing():
     assert not grad_weights[:, :, :, 1:].any()
     kit.assert_close("grad_attention_weights", grad_weights[:, :, :, :1], expected["grad_attention_weights"],
                      kit.tolerance(F32, "gradient"))
-
-
-@pytest.mark.parametrize("dtype", [F32, F16])
-@pytest.mark.parametrize("head_dim", [8, 40])  # 40: a partial channel block, clipped by the descriptor's bounds
-@pytest.mark.parametrize("case", ["out_of_bounds", "non_contiguous", "nonfinite", "many_levels_points", "crowded"])
-def test_descriptor_forms_move_the_same_tiles(case, head_dim, dtype):
-    """The kernels' DESCRIPTORS form (the output's and grad_output's tiles through tensor descriptors) does the
-    same arithmetic in the same order: the forward (both launch rules) and grad_locations, grad_weights agree bit
-    for bit; grad_value only in the order of its atomic adds (the "atomic" entry of the table)."""
-    inputs = kit.make_inputs(kit.with_head_dim(CROWDED if case == "crowded" else kit.case(case), head_dim), dtype,
-                             device=DEVICE)
-    value, shapes, starts, loc, weights = (inputs[k].contiguous() for k in kit.ARGUMENTS)
-    grad_output = kit.grad_output_for(inputs).contiguous()
-    D = value.shape[3]
-    for few_rows in (False, True):
-        outputs = []
-        for descriptors in (False, True):
-            blocks, num_warps = kernels.launch_config(D, backward=False, few_rows=few_rows, value_fp32=dtype == F32)
-            outputs.append(value.new_empty(msda_core.output_shape(value, loc)))
-            assert descriptors_fit(D, outputs[-1], grad_output)
-            launch_forward(value, shapes, starts, loc, weights, outputs[-1],
-                           ({**blocks, "WIDE": False, "DESCRIPTORS": descriptors}, num_warps))
-        assert torch.equal(kit.replay.bits(outputs[0]), kit.replay.bits(outputs[1])), f"few_rows={few_rows}"
-    grads = []
-    for descriptors in (False, True):
-        blocks, num_warps = kernels.launch_config(D, backward=True)
-        grads.append((torch.zeros(value.shape, dtype=F32, device=value.device), torch.empty_like(loc),
-                      torch.empty_like(weights)))
-        launch_backward(grad_output, value, shapes, starts, loc, weights, *grads[-1],
-                        config=({**blocks, "DESCRIPTORS": descriptors}, num_warps))
-    names = ("grad_sampling_locations", "grad_attention_weights")
-    for name, plain, described in zip(names, grads[0][1:], grads[1][1:]):
-        assert torch.equal(kit.replay.bits(plain), kit.replay.bits(described)), name
-    kit.assert_close("grad_value", grads[1][0], grads[0][0], kit.tolerance(F32, "atomic"))

@@ -73,24 +73,10 @@ def needs_int64_offsets(*tensors) -> bool:
     return not all(statically_known_true(t.numel() < 2 ** 30) for t in tensors)
 
 
-def descriptors_fit(D: int, *tensors) -> bool:
-    """Whether the kernels' DESCRIPTORS form may move these (B, ..., D) tensors' tiles: a tensor descriptor
-    needs each row of D elements a multiple of 16 bytes, a 16-byte aligned start and int32 offsets."""
-    return all(D * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 and t.numel() < 2 ** 31 for t in tensors)
-
-
-def _descriptor_scratch(config) -> None:
-    """A kernel that makes tensor descriptors on the device writes them to global scratch memory, which Triton
-    asks the allocator set with triton.set_allocator for; only a ``config`` with DESCRIPTORS launches one."""
-    if config and config[0].get("DESCRIPTORS"):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
 def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out,
                    config=None):
     """Run forward_kernel on contiguous tensors into ``out``; ``config`` overrides kernels.launch_config (and
     the offsets' width, if it names WIDE). Symbolic rows take the many-rows rule, right at every size."""
-    _descriptor_scratch(config)
     def derive() -> Launch:
         sizes = _sizes(value, sampling_locations)
         n_rows, Q, _, M, D = sizes[:5]
@@ -101,8 +87,7 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
         row_blocks = (triton.cdiv(Q, block_r) * value.shape[0] * M if blocks["HEAD_MAJOR"]
                       else triton.cdiv(n_rows, block_r))
         return Launch((row_blocks, triton.cdiv(D, blocks["BLOCK_D"])), sizes,
-                      {"WIDE": needs_int64_offsets(value, sampling_locations, out), "DESCRIPTORS": False, **blocks},
-                      num_warps)
+                      {"WIDE": needs_int64_offsets(value, sampling_locations, out), **blocks}, num_warps)
 
     _launch(kernels.forward_kernel, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                                      out), derive, tuned=config is not None)
@@ -132,14 +117,13 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     With ``fixed_point`` = (fraction, maxima): the deterministic mode, grad_value and fraction fp32 and zeroed,
     maxima from fixed_point_maxima."""
     fraction, maxima = fixed_point or (None, (None, None, None))
-    _descriptor_scratch(config)
 
     def derive() -> Launch:
         sizes = _sizes(value, sampling_locations)
         blocks, num_warps = config or kernels.launch_config(
             sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
         return Launch((triton.cdiv(sizes[0], blocks["BLOCK_R"]),), sizes,
-                      {"DESCRIPTORS": False, **blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
+                      {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
 
     _launch(kernels.backward_kernel, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                                       grad_output, grad_value, fraction, grad_locations, grad_weights, *maxima),

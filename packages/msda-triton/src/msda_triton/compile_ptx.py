@@ -1,7 +1,6 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
 (the forward under each of launch_config's rules x int32/int64 offsets and the backward x
-native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels; the
-DESCRIPTORS form of the forward and of the fp32-accumulating backward).
+native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -40,11 +39,10 @@ def _variants():
         for rule, few_rows in {"many-rows": False, "few-rows": True}.items():
             blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32",
                                                       few_rows=few_rows)
-            for width, wide, descriptors in (("int32", False, False), ("int64", True, False),
-                                             ("int32 descriptors", False, True)):
+            for width, wide in {"int32": False, "int64": True}.items():
                 yield (f"forward {dtype} {rule} {width}", kernels.forward_kernel,
                        {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
-                       blocks | {"WIDE": wide, "DESCRIPTORS": descriptors}, num_warps)
+                       blocks | {"WIDE": wide}, num_warps)
         for accum, accumulator in ACCUMULATORS.items():
             fixed_point = accum == "fixed-point"
             blocks, num_warps = kernels.launch_config(
@@ -54,10 +52,9 @@ def _variants():
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
-            for descriptors in (False, True) if accum == "fp32" else (False,):
-                yield (f"backward {dtype} {accum}" + " descriptors" * descriptors, kernels.backward_kernel, pointers,
-                       blocks | {"FIXED_POINT": fixed_point, "DESCRIPTORS": descriptors}
-                       | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
+            yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
+                   blocks | {"FIXED_POINT": fixed_point}
+                   | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
                {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, *kernels.ANCHOR_MASS_LAUNCH)
         yield (f"fixed-point finish {dtype}", kernels.fixed_point_finish_kernel,

@@ -33,8 +33,7 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
       each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
     - backward with fp32 atomic adds: 16 rows on 4 warps;
-    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program.
-    The launchers add DESCRIPTORS=False (forward_kernel says why) unless a config asks for it."""
+    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
     block_d = min(triton.next_power_of_2(D), 64)
     if backward:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
@@ -129,12 +128,10 @@ def _bilinear(fx, fy):
 @triton.jit
 def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_ptr,
                    n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr):
+                   HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr):
     """Program (i, j) computes the rows of _block_rows(i) and channels [j*BLOCK_D, +BLOCK_D), level by level,
     BLOCK_P points of each row per step: the corners are [BLOCK_R, BLOCK_P, BLOCK_D] gathers, so the loads of
     BLOCK_R * BLOCK_P samples are in flight together. Offsets are int32 unless WIDE (launch_forward's choice).
-    DESCRIPTORS stores the output through a tensor descriptor (_store_rows), an experiment: BENCHMARKS.md,
-    "Experiments".
     A non-finite location or weight makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN:
     the row's output is NaN (README, "Non-finite inputs"). (A flag carried across the loop instead cost 1.5-1.8x
     in time at 4 warps: its layout differs from the gathers', so every step converted between the two.)"""
@@ -168,30 +165,8 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
             acc += tl.sum((a * w00)[:, :, None] * v00.to(tl.float32) + (a * w01)[:, :, None] * v01.to(tl.float32)
                           + (a * w10)[:, :, None] * v10.to(tl.float32) + (a * w11)[:, :, None] * v11.to(tl.float32),
                           axis=1)
-    if DESCRIPTORS:  # the output tile through a tensor descriptor, whose bounds clip rows past Q and channels past D
-        _store_rows(out_ptr, acc.to(out_ptr.dtype.element_ty), n_rows, Q, M, D, BLOCK_R, BLOCK_D, HEAD_MAJOR)
-    else:
-        out_offsets = rows[:, None] * D + d[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _store_rows(out_ptr, tile, n_rows, Q, M, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                HEAD_MAJOR: tl.constexpr):
-    """Store program (i, j)'s [BLOCK_R, BLOCK_D] tile of (B, Q, M, D) out (the rows of _block_rows(i)) through
-    a tensor descriptor (TMA on sm_90). Needs D * element size a multiple of 16 bytes and a 16-byte aligned out
-    (backend.descriptors_fit)."""
-    program = tl.program_id(0)
-    d0 = tl.program_id(1) * BLOCK_D
-    if HEAD_MAJOR:
-        n_blocks = tl.cdiv(Q, BLOCK_R)
-        head = program // n_blocks
-        out = tl.make_tensor_descriptor(out_ptr, shape=[n_rows // (Q * M), Q, M, D], strides=[Q * M * D, M * D, D, 1],
-                                        block_shape=[1, BLOCK_R, 1, BLOCK_D])
-        out.store([head // M, (program % n_blocks) * BLOCK_R, head % M, d0], tile.reshape(1, BLOCK_R, 1, BLOCK_D))
-    else:
-        out = tl.make_tensor_descriptor(out_ptr, shape=[n_rows, D], strides=[D, 1], block_shape=[BLOCK_R, BLOCK_D])
-        out.store([program * BLOCK_R, d0], tile)
+    out_offsets = rows[:, None] * D + d[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
 
 
 # (constexprs, num_warps) of the deterministic mode's helper kernels: one row per thread; 1024 elements a program.
@@ -297,18 +272,13 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                     grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FIXED_POINT: tl.constexpr, DESCRIPTORS: tl.constexpr):
+                    FIXED_POINT: tl.constexpr):
     """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
-    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr). DESCRIPTORS loads grad_output's
-    tiles through a tensor descriptor, an experiment like forward_kernel's."""
+    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
-    grad_out = grad_out_ptr
-    if DESCRIPTORS:
-        grad_out = tl.make_tensor_descriptor(grad_out_ptr, shape=[n_rows, D], strides=[D, 1],
-                                             block_shape=[BLOCK_R, BLOCK_D])
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
     scale = 1.0
@@ -336,11 +306,8 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             for d0 in range(0, D, BLOCK_D):
                 d = d0 + tl.arange(0, BLOCK_D)
                 d_ok = d < D
-                if DESCRIPTORS:  # rows past n_rows and channels past D read as 0 (the descriptor's bounds)
-                    g = grad_out.load([tl.program_id(0) * BLOCK_R, d0]).to(tl.float32)
-                else:
-                    g = tl.load(grad_out + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                                other=0.0).to(tl.float32)
+                g = tl.load(grad_out_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                            other=0.0).to(tl.float32)
                 base = head_base[:, None] + d[None, :]
                 o00 = base + (p00 * pixel_stride)[:, None]
                 o01 = o00 + pixel_stride
