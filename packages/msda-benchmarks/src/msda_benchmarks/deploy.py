@@ -16,6 +16,7 @@ from msda_testkit.cases import ARGUMENTS, DIFFERENTIABLE, case, grad_output_for,
 from msda_testkit.deploy import build_aoti_runner, run_aoti_package
 from tabulate import tabulate
 
+from .bench import environment
 from .timing import host_ms
 
 
@@ -65,11 +66,10 @@ def main(argv=None) -> int:
         for name in args.cases:
             rows.append(measure(name, getattr(torch, args.dtype), device, Path(folder), runner, args))
             print(rows[-1], flush=True)
-    environment = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else "cpu"}
-    print(environment)
+    env = environment(device)
+    print(env)
     print(tabulate([r.values() for r in rows], headers=list(rows[0]), floatfmt=".4f"))
-    cli.write_results(args.json, environment, rows)
+    cli.write_results(args.json, env, rows)
     return 0
 
 
