@@ -35,7 +35,7 @@ def test_compiled_kernels_round_the_coordinate_product_on_its_own():
         "import re\n"
         "from msda_triton import compile_ptx\n"
         "for name, kernel, pointers, constexprs, warps in compile_ptx._variants():\n"
-        "    if name in ('forward fp32 many-rows int32', 'backward bf16 fp32', 'anchor mass fp32'):\n"
+        "    if name in ('forward fp32 many-rows int32', 'backward bf16 fp32 few-rows', 'anchor mass fp32'):\n"
         "        ptx = compile_ptx.compile_variant(kernel, pointers, constexprs, warps, 90)\n"
         "        print(name, len(re.findall(r'mul\\.rn(?:\\.ftz)?\\.f32', ptx)),\n"
         "              len(re.findall(r'fma\\.rn(?:\\.ftz)?\\.f32[^;]*0fBF000000', ptx)))\n")
@@ -43,5 +43,6 @@ def test_compiled_kernels_round_the_coordinate_product_on_its_own():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     counts = {line.rsplit(" ", 2)[0]: tuple(map(int, line.rsplit(" ", 2)[1:])) for line in result.stdout.splitlines()}
-    assert sorted(counts) == ["anchor mass fp32", "backward bf16 fp32", "forward fp32 many-rows int32"], result.stdout
+    assert sorted(counts) == ["anchor mass fp32", "backward bf16 fp32 few-rows",
+                              "forward fp32 many-rows int32"], result.stdout
     assert all(products >= 2 and fused == 0 for products, fused in counts.values()), counts

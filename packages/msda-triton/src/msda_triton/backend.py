@@ -121,7 +121,8 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     def derive() -> Launch:
         sizes = _sizes(value, sampling_locations)
         blocks, num_warps = config or kernels.launch_config(
-            sizes[4], backward=True, half_atomics=grad_value.dtype != torch.float32)
+            sizes[4], backward=True, few_rows=statically_known_true(sizes[0] < kernels.FEW_ROWS),
+            half_atomics=grad_value.dtype != torch.float32)
         return Launch((triton.cdiv(sizes[0], blocks["BLOCK_R"]),), sizes,
                       {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
 

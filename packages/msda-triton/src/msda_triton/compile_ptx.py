@@ -1,6 +1,7 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
 (the forward under each of launch_config's rules x int32/int64 offsets and the backward x
-native/fp32/fixed-point accumulation, x fp32/fp16/bf16, and the deterministic mode's two helper kernels).
+native/fp32/fixed-point accumulation x its rules, x fp32/fp16/bf16, and the deterministic mode's two helper
+kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -13,6 +14,7 @@ integers, so the PTX is the one that runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 from collections import Counter
@@ -30,29 +32,33 @@ INDEX_POINTERS = ("shapes_ptr", "starts_ptr", "mass_ptr", "mass_max_ptr")
 DTYPES = ("fp32", "fp16", "bf16")
 
 
+RULES = {"many-rows": False, "few-rows": True}  # launch_config's few_rows
 ACCUMULATORS = {"native": None, "fp32": "fp32", "fixed-point": "fp32"}  # grad_value's type (None: the dtype's)
 
 
 def _variants():
     """(name, kernel, {pointer: type}, {constexpr: value}, num_warps) for every kernel x dtype x accumulation."""
     for dtype in DTYPES:
-        for rule, few_rows in {"many-rows": False, "few-rows": True}.items():
+        for rule, few_rows in RULES.items():
             blocks, num_warps = kernels.launch_config(INTS["D"], backward=False, value_fp32=dtype == "fp32",
                                                       few_rows=few_rows)
             for width, wide in {"int32": False, "int64": True}.items():
                 yield (f"forward {dtype} {rule} {width}", kernels.forward_kernel,
                        {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype},
                        blocks | {"WIDE": wide}, num_warps)
-        for accum, accumulator in ACCUMULATORS.items():
+        for (accum, accumulator), (rule, few_rows) in itertools.product(ACCUMULATORS.items(), RULES.items()):
             fixed_point = accum == "fixed-point"
-            blocks, num_warps = kernels.launch_config(
-                INTS["D"], backward=True, half_atomics=(accumulator or dtype) != "fp32")
+            half_atomics = (accumulator or dtype) != "fp32"
+            if half_atomics and few_rows:
+                continue  # half atomics have one rule
+            blocks, num_warps = kernels.launch_config(INTS["D"], backward=True, few_rows=few_rows,
+                                                      half_atomics=half_atomics)
             pointers = {"value_ptr": dtype, "loc_ptr": dtype, "weight_ptr": dtype, "grad_out_ptr": dtype,
                         "grad_value_ptr": accumulator or dtype, "grad_loc_ptr": dtype, "grad_weight_ptr": dtype}
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
-            yield (f"backward {dtype} {accum}", kernels.backward_kernel, pointers,
+            yield (f"backward {dtype} {accum} {rule}", kernels.backward_kernel, pointers,
                    blocks | {"FIXED_POINT": fixed_point}
                    | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-FEW_ROWS = 2 ** 17  # B*Q*M rows below which the forward takes small blocks (launch_config)
+FEW_ROWS = 2 ** 17  # B*Q*M rows below which the kernels take small blocks (launch_config)
 # Compile options of every launch. FP fusion (a*b+c as one FMA, rounded once) is what the kernels were timed and
 # their tolerances measured with; Triton 3.6-3.9 enable it by default and 3.10 will not, so it is asked for.
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
@@ -32,11 +32,14 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     - forward, many rows: 32 rows on 4 warps (8 from D > 32), head-major (_block_rows), one point per step;
     - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
       each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
-    - backward with fp32 atomic adds: 16 rows on 4 warps;
+    - backward with fp32 atomic adds: 16 rows on 4 warps; ``few_rows``: 4 rows on 1 warp (2 from D > 32);
     - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
     block_d = min(triton.next_power_of_2(D), 64)
+    if backward and half_atomics:
+        return {"BLOCK_R": max(16, min(128, 2048 // block_d)), "BLOCK_D": block_d}, 4
     if backward:
-        return {"BLOCK_R": max(16, min(128, 2048 // block_d)) if half_atomics else 16, "BLOCK_D": block_d}, 4
+        return ({"BLOCK_R": 4, "BLOCK_D": block_d}, 1 if block_d <= 32 else 2) if few_rows else (
+            {"BLOCK_R": 16, "BLOCK_D": block_d}, 4)
     if few_rows:
         return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
