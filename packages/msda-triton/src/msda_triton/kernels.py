@@ -32,7 +32,8 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     - forward, many rows: 32 rows on 4 warps (8 from D > 32), head-major (_block_rows), one point per step;
     - forward, ``few_rows`` (B*Q*M < FEW_ROWS, too few programs to hide latency): 4 rows per program and, of
       each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
-    - backward with fp32 atomic adds: 16 rows on 4 warps; ``few_rows``: 4 rows on 1 warp (2 from D > 32);
+    - backward with fp32 atomic adds: 16 rows on 4 warps; ``few_rows``: 4 rows on 1 warp (timed at D = 32; 2
+      warps from D > 32, as the forward);
     - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
     block_d = min(triton.next_power_of_2(D), 64)
     if backward and half_atomics:
