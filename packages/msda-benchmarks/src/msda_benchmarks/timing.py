@@ -56,6 +56,7 @@ def graph_ms(fn) -> float | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    except RuntimeError:
+    except RuntimeError as error:
+        print(f"graph_ms: not captured: {str(error).splitlines()[0]}")
         return None
     return device_ms(graph.replay)
