@@ -38,9 +38,10 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
     block_d = min(triton.next_power_of_2(D), 64)
     if backward and half_atomics:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)), "BLOCK_D": block_d}, 4
+    if backward and few_rows:
+        return {"BLOCK_R": 4, "BLOCK_D": block_d}, 1 if block_d <= 32 else 2
     if backward:
-        return ({"BLOCK_R": 4, "BLOCK_D": block_d}, 1 if block_d <= 32 else 2) if few_rows else (
-            {"BLOCK_R": 16, "BLOCK_D": block_d}, 4)
+        return {"BLOCK_R": 16, "BLOCK_D": block_d}, 4
     if few_rows:
         return ({"BLOCK_R": 4, "BLOCK_P": 2 if value_fp32 else 4, "BLOCK_D": block_d, "HEAD_MAJOR": False},
                 1 if block_d <= 32 else 2)
