@@ -10,8 +10,8 @@ import json
 import sys
 
 import torch
-from deformops.registry import msda as deformops_msda
 from msda_benchmarks.bench import GPU_CASES, environment, training_leaves, with_backward, with_layout
+from msda_benchmarks.peers import PEERS
 from msda_benchmarks.timing import graph_ms
 from msda_testkit.cases import ARGUMENTS, grad_output_for, make_inputs
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +36,7 @@ def kernel_ms(fn) -> dict:
 
 
 def main(path: str) -> None:
+    deformops = PEERS["deformops"][1]()  # the peers tool's call of deformops' default
     out = {}
     for layout in ("model_like", "random"):
         case = with_layout(GPU_CASES[0], layout)
@@ -45,7 +46,7 @@ def main(path: str) -> None:
             grad_output = grad_output_for(inputs)
             value = leaves["value"]
             calls = {"msda": lambda: torch.ops.msda.deform_attn(**leaves, backend="triton"),
-                     "deformops": lambda: deformops_msda(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape)}
+                     "deformops": lambda: deformops(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape)}
             out[f"{layout} {dtype} zero fp32 buffer of value"] = graph_ms(
                 lambda: torch.zeros(value.shape, dtype=torch.float32, device=value.device))
             out[f"{layout} {dtype} zero buffer of value's dtype"] = graph_ms(lambda: torch.zeros_like(value))
