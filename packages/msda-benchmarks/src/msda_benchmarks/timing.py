@@ -9,6 +9,7 @@ replays a CUDA graph of the calls, which leaves the kernels alone.
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import torch
@@ -46,7 +47,10 @@ def median_ms(fn, device: torch.device, min_seconds: float = 1.0) -> float:
 
 def graph_ms(fn) -> float | None:
     """``device_ms`` of replaying ``fn`` from a CUDA graph (kernel time with no host overhead), or None if ``fn``
-    cannot be captured (e.g. it synchronizes)."""
+    cannot be captured (e.g. it synchronizes). It first collects garbage: a call's autograd graph that only a
+    reference cycle keeps alive (torch's first call of an op leaves one) would tie the capture to the default
+    stream, and torch no longer collects before a capture."""
+    gc.collect()
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
