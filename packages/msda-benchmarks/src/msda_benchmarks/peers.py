@@ -118,18 +118,18 @@ def main(argv=None) -> int:
             leaves = training_leaves(inputs)
             grad_output = grad_output_for(inputs)
             calls = {"msda (triton)": lambda: torch.ops.msda.deform_attn(**leaves, backend="triton")}
+            # the outputs compared below, from the calls that are timed; detached, so no autograd graph outlives them
+            results = {"msda (triton)": calls["msda (triton)"]().detach().float()}
             for name, fn in peers.items():
                 def call(fn=fn):
                     return fn(*(leaves[k] for k in ARGUMENTS)).reshape(grad_output.shape)
 
                 try:
-                    call()
+                    results[name] = call().detach().float()
                 except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
                     print(f"{name} refuses {case.name} {dtype_name}: {str(err).splitlines()[0]}")
                     continue
                 calls[name] = call
-            with torch.no_grad():  # the outputs compared below; no autograd graph outlives them
-                results = {name: fn().float() for name, fn in calls.items()}
             both_calls = {name: with_backward(fn, leaves, grad_output) for name, fn in calls.items()}
             times = {name: {"fwd": [], "both": [], "fwd_graph": [], "both_graph": []} for name in calls}
             for _ in range(args.rounds):
