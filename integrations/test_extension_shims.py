@@ -14,6 +14,7 @@ import pytest
 import torch
 from equivalence import Recording, Result
 from msda_core import compat
+from msda_core.adapters import shims
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
 
@@ -40,8 +41,8 @@ def test_mmcv_ext_is_msda_and_mmcv_ops_imports(record):
     from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
 
     ext = sys.modules["mmcv._ext"]
-    assert ext.ms_deform_attn_forward is compat._ms_deform_attn_forward, mmcv.__version__
-    assert ext.ms_deform_attn_backward is compat._mmcv_ms_deform_attn_backward
+    assert ext.ms_deform_attn_forward is shims._ms_deform_attn_forward, mmcv.__version__
+    assert ext.ms_deform_attn_backward is shims._mmcv_ms_deform_attn_backward
     # mmcv's own Function (its CUDA branch's code, here on CPU tensors): forward, then a backward that allocates
     # three zero tensors and has ext_module fill them in place
     record(f"mmcv {mmcv.__version__} Function", _check_function(MultiScaleDeformableAttnFunction, 64))
@@ -151,7 +152,7 @@ def test_a_broken_build_is_replaced_with_a_warning_naming_its_error(tmp_path, mo
                for m in messages), messages
     record("broken groundingdino._C", _check_function(_GroundingDinoFunction, 64))
     import MultiScaleDeformableAttention as MSDA
-    assert MSDA.ms_deform_attn_backward is compat._ms_deform_attn_backward
+    assert MSDA.ms_deform_attn_backward is shims._ms_deform_attn_backward
 
 
 @pytest.mark.parametrize("first", ["import mmcv.cnn.bricks.transformer", "import mmcv.ops"])

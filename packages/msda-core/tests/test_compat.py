@@ -8,6 +8,7 @@ import msda_testkit as kit
 import pytest
 import torch
 from msda_core import compat
+from msda_core.adapters import shims
 from published import deformable_attention
 
 FORWARD, GRADIENT = kit.tolerance(torch.float64, "forward"), kit.tolerance(torch.float64, "gradient")
@@ -240,7 +241,7 @@ def test_extension_shim_for_detrex_goes_in_before_detrex_imports_it(tmp_path, mo
     assert compat.install_extension_shim(detrex=True) == ["MultiScaleDeformableAttention", "detrex._C"]
     import detrex
     assert detrex._C is sys.modules["MultiScaleDeformableAttention"]
-    assert detrex._C.ms_deform_attn_forward is compat._ms_deform_attn_forward
+    assert detrex._C.ms_deform_attn_forward is shims._ms_deform_attn_forward
 
 
 def test_extension_shim_never_shadows_a_real_module(tmp_path, monkeypatch, clean_modules):

@@ -11,7 +11,7 @@ import msda_core
 import msda_testkit as kit
 import pytest
 import torch
-from msda_core import patching
+from msda_core.adapters import patching
 from published import checkpoint, deformable_attention, sampling_inputs
 from torch import nn
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from . import registry
+from .. import registry
 from .compat import level_shapes, run_op
 
 

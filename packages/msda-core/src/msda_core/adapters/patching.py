@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import compat, registry
+from .. import registry
+from . import compat
 from .nn import MSDeformAttn, MultiScaleDeformableAttention
 
 _V2 = "multi_scale_deformable_attention_v2"
