@@ -6,8 +6,8 @@ explicit call.
 - cpu: each package installed from its wheel with its declared dependencies (its [test] extra included) and its
   own tests run (first, mypy on msda-core and msda-reference: mypy.ini, against the session's torch):
   msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
-  reference-only install runs the quickstart), then msda-triton, its kernels in Triton's CPU interpreter, and
-  the verification's CPU slice.
+  reference-only install runs the quickstart; then the docstrings' examples, as doctests), then msda-triton, its
+  kernels in Triton's CPU interpreter, and the verification's CPU slice.
 - compile_ptx: every Triton kernel variant compiled for sm_80 and sm_90 with no GPU, on the lowest Triton
   msda-triton supports and on the newest.
 - gpu, verify, distributed: on a CUDA machine, offline, with that machine's torch and Triton (the full suite,
@@ -98,6 +98,9 @@ def cpu(session):
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-benchmarks']}[test]")
     session.run(*pytest, "packages/msda-reference/tests", "packages/msda-testkit/tests",
                 "packages/msda-benchmarks/tests")
+    # The Examples in the public API's docstrings, run on the installed packages as a user would (CPU, no Triton;
+    # onnxscript is in for the export tables'). One process: two xdist workers cost more to start than they save.
+    session.run("pytest", "-q", "--doctest-modules", "--pyargs", "msda_core", "msda_reference")
     # 3. msda-triton, its kernels in Triton's CPU interpreter, and the verification's CPU slice (stage 5 needs
     # a GPU; sequential replays: 3 suffice).
     session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-triton']}[test,interpreter]")

@@ -115,7 +115,7 @@ def test_nonfinite_value_off_the_map_changes_nothing(bad):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_nonfinite_weights_give_a_nan_row_everywhere(dtype):
-    """README, "Non-finite inputs": an inf or NaN attention weight makes its output row (b, q, m) NaN, on the
+    """docs/math.md, "Non-finite inputs": an inf or NaN attention weight makes its output row (b, q, m) NaN, on the
     map or off it; naive gave 0 for an inf weight off the map, grid_sample and gather NaN, on the map +-inf."""
     inputs = _inputs(Q=4, dtype=dtype)
     weights, locations = inputs["attention_weights"], inputs["sampling_locations"]

@@ -1,4 +1,4 @@
-"""The Triton backend on the conventions every backend shares (README, "Non-finite inputs"), and its entry point:
+"""The Triton backend on the conventions every backend shares (docs/math.md, "Non-finite inputs"), and its entry point:
 a LazyBackend, so that a process that never runs the kernels never imports Triton or Inductor."""
 
 import math

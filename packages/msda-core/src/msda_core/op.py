@@ -189,7 +189,66 @@ _LIBRARY.impl("deform_attn_backward", _deform_attn_backward, "CompositeImplicitA
 
 def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *extra,
                 backend: str = "auto", grad_accum: str = "auto", deterministic: bool | None = None) -> torch.Tensor:
-    """Multi-scale deformable attention; returns (B, Q, M*D) in value's dtype. See the README for the math."""
+    """Multi-scale deformable attention: ``torch.ops.msda.deform_attn``, with an error for a sixth positional argument.
+
+    Each query, in each head, samples every level of a feature pyramid bilinearly at a few points and sums the
+    samples with its weights (docs/math.md has the formula and its conventions). Arguments and shapes are those of
+    Deformable DETR's CUDA op and mmcv's ``MultiScaleDeformableAttnFunction``, without ``im2col_step``. The op
+    itself takes the same arguments and is what ``torch.compile``, ``torch.export`` and ONNX see.
+
+    Args:
+        value: (B, S, M, D) float16, bfloat16, float32 or float64: the L levels flattened row by row and
+            concatenated along S = sum of H_l * W_l, M heads of D channels (any D). Its device picks the backends
+            that may run (CPU: ``gather``, ``grid_sample``, ``naive``; CUDA: ``triton``, ``grid_sample``).
+        spatial_shapes: (L, 2) int64 or int32, (H_l, W_l) of each level, on value's device.
+        level_start_index: (L,) int64 or int32, where each level starts along S, on value's device; or None,
+            which derives it from spatial_shapes.
+        sampling_locations: (B, Q, M, L, P, 2) normalized (x, y): 0 and 1 are a map's edges, (i + 0.5) / W_l is
+            pixel i's centre; a sample reads zeros past the edges. value's dtype, or float32 beside a float16 or
+            bfloat16 value (which keeps the locations' precision).
+        attention_weights: (B, Q, M, L, P) in sampling_locations' dtype; used as given (callers softmax them).
+        backend: ``"auto"`` or a registered backend's name; ``"auto"`` defers to :func:`msda_core.use_backend`,
+            then the ``MSDA_BACKEND`` environment variable, then the fastest backend that supports the inputs.
+        grad_accum: how a backend that scatters ``grad_value`` with atomic adds (``triton``) sums float16 and
+            bfloat16 gradients: ``"auto"`` and ``"fp32"`` in a float32 buffer cast once at the end, ``"native"``
+            in the gradient's own dtype (each add rounds the running sum). Other backends ignore it.
+        deterministic: True makes the backward give the same bits every run (only a backend that can is
+            chosen; one named that cannot is refused before the forward); None follows
+            ``torch.are_deterministic_algorithms_enabled()``; False lets atomic adds vary the last bits.
+
+    Returns:
+        (B, Q, M*D) in value's dtype, on value's device: the heads' results side by side. Differentiable in
+        value, sampling_locations and attention_weights, each gradient in its input's dtype; differentiating
+        the gradients again raises NotImplementedError. A NaN or infinite location or weight makes its
+        (b, q, m) row NaN.
+
+    Raises:
+        TypeError: a sixth positional argument (``im2col_step``: use ``msda_core.compat.MSDeformAttnFunction``),
+            or a dtype other than those above.
+        ValueError: a shape or device that does not fit the others, a CPU level table that does not describe
+            value's S rows (a CUDA one is never read on the host: docs/math.md, "Level tables"), or an unknown
+            grad_accum; the message names the argument, the expected and the actual value. Raised before any
+            backend runs.
+        msda_core.BackendUnavailableError: no backend can run the call; the message lists each backend and why.
+
+    Example:
+        >>> import torch, msda_core
+        >>> shapes = torch.tensor([(4, 6), (2, 3)])          # (H, W) of L = 2 levels: S = 24 + 6
+        >>> B, Q, M, D, L, P = 1, 5, 2, 8, 2, 3
+        >>> value = torch.ones(B, 30, M, D, requires_grad=True)
+        >>> locations = torch.full((B, Q, M, L, P, 2), 0.5)  # every sample at the centre of its map
+        >>> weights = torch.full((B, Q, M, L, P), 1 / (L * P))
+        >>> out = msda_core.deform_attn(value, shapes, None, locations, weights)
+        >>> out.shape, out.dtype
+        (torch.Size([1, 5, 16]), torch.float32)
+        >>> torch.allclose(out, torch.ones(1, 5, 16))    # a constant map, weights summing to 1
+        True
+        >>> out.sum().backward(); value.grad.shape
+        torch.Size([1, 30, 2, 8])
+        >>> msda_core.deform_attn(value, shapes, None, locations[:, :, :, :1], weights)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: sampling_locations: expected shape (B, Q, M, L, P, 2) = ..., got (1, 5, 2, 1, 3, 2)
+    """
     if extra:
         raise TypeError(
             f"deform_attn takes 5 positional arguments, got {5 + len(extra)}: there is no im2col_step (it only "
@@ -199,3 +258,45 @@ def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, at
     return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                                       attention_weights, backend=backend, grad_accum=grad_accum,
                                       deterministic=deterministic)
+
+
+def deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                         attention_weights, *, backend: str = "auto", grad_accum: str = "auto",
+                         deterministic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's three gradients without autograd: ``torch.ops.msda.deform_attn_backward``.
+
+    For code that calls a forward and a backward itself, as the compiled extensions' callers do
+    (``msda_core.compat``'s stand-ins for them call this op). It validates and chooses a backend as
+    :func:`deform_attn` does, so the same call gives the gradients autograd gives.
+
+    Args:
+        grad_output: (B, Q, M*D), any float dtype, on value's device: the gradient of the forward's output.
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, grad_accum,
+            deterministic: as for :func:`deform_attn`.
+
+    Returns:
+        (grad_value, grad_sampling_locations, grad_attention_weights), each of its input's shape, dtype and
+        device.
+
+    Raises:
+        TypeError, ValueError, msda_core.BackendUnavailableError: as :func:`deform_attn`, and for a grad_output
+        whose shape, device or dtype does not fit.
+
+    Example:
+        >>> import torch, msda_core
+        >>> shapes = torch.tensor([(4, 6), (2, 3)])
+        >>> value = torch.randn(1, 30, 2, 8, requires_grad=True)
+        >>> locations = torch.rand(1, 5, 2, 2, 3, 2, requires_grad=True)
+        >>> weights = torch.rand(1, 5, 2, 2, 3, requires_grad=True)
+        >>> out = msda_core.deform_attn(value, shapes, None, locations, weights)
+        >>> grad_output = torch.randn_like(out)
+        >>> grads = msda_core.deform_attn_backward(grad_output, value, shapes, None, locations, weights)
+        >>> [tuple(g.shape) for g in grads]
+        [(1, 30, 2, 8), (1, 5, 2, 2, 3, 2), (1, 5, 2, 2, 3)]
+        >>> autograd = torch.autograd.grad(out, (value, locations, weights), grad_output)
+        >>> all(torch.allclose(g, a) for g, a in zip(grads, autograd))
+        True
+    """
+    return torch.ops.msda.deform_attn_backward(grad_output, value, spatial_shapes, level_start_index,
+                                               sampling_locations, attention_weights, backend=backend,
+                                               grad_accum=grad_accum, deterministic=deterministic)

@@ -144,7 +144,33 @@ _resolved: dict = {}  # (request name, Metadata) -> Backend; emptied on any chan
 
 
 def register(backend: Backend | LazyBackend) -> None:
-    """Add or replace a backend (entry points call this implicitly; tests and users may call it)."""
+    """Add a backend under its name, or replace the one of that name, for this process.
+
+    Installed packages register theirs through the ``msda.backends`` entry-point group, found on first use; call
+    this for a backend defined at run time (a test, an experiment). Selection forgets what it memoised, so the
+    next call sees the change.
+
+    Args:
+        backend: a :class:`Backend`, or a :class:`LazyBackend` naming where one is, imported when first needed.
+
+    Example:
+        >>> import torch, msda_core
+        >>> def forward(inputs):                  # zeros: a backend that shows it ran
+        ...     return inputs.value.new_zeros(msda_core.output_shape(inputs.value, inputs.sampling_locations))
+        >>> def backward(grad_output, inputs, grad_accum, deterministic):
+        ...     return tuple(torch.zeros_like(t) for t in (inputs.value, inputs.sampling_locations,
+        ...                                                inputs.attention_weights))
+        >>> msda_core.register(msda_core.Backend("zeros", forward, backward, devices=frozenset({"cpu"}),
+        ...                                      dtypes=frozenset({torch.float32})))
+        >>> value, locations = torch.ones(1, 30, 2, 8), torch.rand(1, 5, 2, 2, 3, 2)
+        >>> out = msda_core.deform_attn(value, torch.tensor([(4, 6), (2, 3)]), None, locations,
+        ...                             torch.rand(1, 5, 2, 2, 3), backend="zeros")
+        >>> out.abs().sum().item()
+        0.0
+        >>> msda_core.unregister("zeros")
+        >>> "zeros" in msda_core.backends()
+        False
+    """
     with _lock:
         _discover()
         _add(backend)
@@ -152,6 +178,14 @@ def register(backend: Backend | LazyBackend) -> None:
 
 
 def unregister(name: str) -> None:
+    """Remove the backend registered as ``name`` for this process (nothing if there is none); selection forgets
+    what it memoised. A later call that names it raises :class:`BackendUnavailableError`.
+
+    Args:
+        name: the backend's name, as in ``msda_core.backends()``.
+
+    Example: see :func:`register`.
+    """
     with _lock:
         _discover()
         _backends.pop(name, None)
@@ -207,7 +241,19 @@ def _discover() -> None:
 
 
 def backends() -> dict:
-    """Name -> Backend for every backend that loaded (lazy ones are imported)."""
+    """Every backend that loaded, by name; lazy ones are imported (so on a CPU machine with msda-triton this
+    imports Triton). Backends whose import failed are left out: :func:`load_errors` has them.
+
+    Returns:
+        A new dict, name -> :class:`Backend` (its ``devices``, ``dtypes``, ``priority`` and flags say what it
+        supports).
+
+    Example:
+        >>> import torch, msda_core
+        >>> gather = msda_core.backends()["gather"]    # msda-reference's CPU backend
+        >>> sorted(gather.devices), torch.bfloat16 in gather.dtypes
+        (['cpu'], True)
+    """
     _discover()
     for name in list(_lazy):
         _load(name)
@@ -245,9 +291,32 @@ class _Scope:
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Within the block, calls that pass backend="auto" ask for ``name`` instead. The scope belongs to the
-    calling thread (or asyncio task): other threads keep their own. A block exited from another thread ends
-    for the thread that entered it too."""
+    """Within the block, calls that pass ``backend="auto"`` (the default) ask for ``name`` instead.
+
+    The innermost block wins; a call's own ``backend=`` wins over any block, and a block over the
+    ``MSDA_BACKEND`` environment variable. The scope belongs to the calling thread (or asyncio task): other
+    threads keep their own. A block exited from another thread ends for the thread that entered it too. The name
+    is checked on entry; whether the backend can run a call is decided at the call.
+
+    Args:
+        name: ``"auto"`` or a backend's name (``msda_core.backends()``), e.g. ``"grid_sample"``.
+
+    Raises:
+        ValueError: ``name`` is neither ``"auto"`` nor a known backend (the message lists those installed).
+
+    Example:
+        >>> import torch, msda_core
+        >>> value, locations = torch.zeros(1, 30, 2, 8), torch.zeros(1, 5, 2, 2, 3, 2)
+        >>> with msda_core.use_backend("grid_sample"):
+        ...     msda_core.resolve_backend(value, locations)
+        'grid_sample'
+        >>> msda_core.resolve_backend(value, locations)
+        'gather'
+        >>> with msda_core.use_backend("nope"):  # doctest: +ELLIPSIS
+        ...     pass
+        Traceback (most recent call last):
+        ValueError: name: expected 'auto' or one of [...], got 'nope'
+    """
     check_name(name, "name")
     scope = _Scope(name)
     _scope.set(_scope.get() + (scope,))

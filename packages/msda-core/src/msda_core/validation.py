@@ -6,7 +6,7 @@ only where reading them is free: tensors in CPU memory (``nn.Parameter`` and oth
 fake or functional ones), outside torch.compile and torch.export. A CUDA
 level table is never read (that would synchronize the host with the device on every call); the Triton kernels
 instead mask every read to value's own rows, so a wrong table there gives a documented result, never an
-out-of-bounds read (README, "Level tables").
+out-of-bounds read (docs/math.md, "Level tables").
 """
 
 from __future__ import annotations

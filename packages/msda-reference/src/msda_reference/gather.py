@@ -11,7 +11,7 @@ backward converts it to float32.
 
 Off-map corners read, with weight 0, a pixel of ``value`` that holds no inf or NaN (the first of its first 64
 that is finite in every batch and head; pixel 0 if none is): an inf or NaN pixel off the map changes nothing,
-as in the other backends. A non-finite location or attention weight makes its output row NaN (README,
+as in the other backends. A non-finite location or attention weight makes its output row NaN (docs/math.md,
 "Non-finite inputs"). Small eager calls run on one thread: their elementwise work is too short to gain from a
 second, and waits milliseconds for it when the other core is busy.
 

@@ -7,7 +7,7 @@ op's implementation, so the backward calls aten's ``grid_sampler_2d_backward`` d
 
 Non-finite locations: aten's CPU kernel samples NaN there, its CUDA kernel 0. This backend moves such
 points outside the map before aten sees them and writes NaN into their samples itself, so every device
-follows the convention all backends share (README, "Non-finite inputs"): a sample is NaN where its pixel
+follows the convention all backends share (docs/math.md, "Non-finite inputs"): a sample is NaN where its pixel
 coordinate ``loc * W`` (or ``loc * H``) in the compute dtype is not finite, and an output row is NaN where one
 of its attention weights is not. Huge finite points (|grid| > 3: every corner off the map) are moved outside
 the map too, so aten never converts an out-of-range coordinate to an integer.

@@ -44,7 +44,7 @@ def _levels(spatial_shapes, level_start_index):
 
 
 def _finite_samples(value, spatial_shapes, sampling_locations):
-    """[b][q][m][l][p]: whether the sample's pixel coordinates are finite in the compute dtype (README,
+    """[b][q][m][l][p]: whether the sample's pixel coordinates are finite in the compute dtype (docs/math.md,
     "Non-finite inputs": the one place the loops do not compute in float64, so all backends agree)."""
     return pixels_finite(spatial_shapes, sampling_locations, compute_dtype(value, sampling_locations)).tolist()
 

@@ -138,7 +138,7 @@ def forward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, out_p
     BLOCK_P points of each row per step: the corners are [BLOCK_R, BLOCK_P, BLOCK_D] gathers, so the loads of
     BLOCK_R * BLOCK_P samples are in flight together. Offsets are int32 unless WIDE (launch_forward's choice).
     A non-finite location or weight makes its sample's weight NaN, and NaN times even a masked corner's 0 is NaN:
-    the row's output is NaN (README, "Non-finite inputs"). (A flag carried across the loop instead cost 1.5-1.8x
+    the row's output is NaN (docs/math.md, "Non-finite inputs"). (A flag carried across the loop instead cost 1.5-1.8x
     in time at 4 warps: its layout differs from the gathers', so every step converted between the two.)"""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR, WIDE)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -12,10 +12,32 @@ from .compat import level_shapes, run_op
 
 
 class MSDeformAttn(nn.Module):
-    """Deformable DETR's multi-scale deformable attention module: the same constructor, forward,
-    ``_reset_parameters`` and parameter names (``sampling_offsets``, ``attention_weights``, ``value_proj``,
-    ``output_proj``), so its checkpoints (and Mask2Former's, DINO's) load with ``strict=True`` and give the same
-    outputs. No power-of-two head-dim warning: msda's kernels take any head dim. ``backend`` goes to the op.
+    """Deformable DETR's multi-scale deformable attention module, run by ``torch.ops.msda.deform_attn``.
+
+    The same constructor, forward, ``_reset_parameters`` and parameter names (``sampling_offsets``,
+    ``attention_weights``, ``value_proj``, ``output_proj``) as ``models.ops.modules.MSDeformAttn``, so its
+    checkpoints (and Mask2Former's, DINO's) load with ``strict=True`` and give the same outputs. No power-of-two
+    head-dim warning: msda's kernels take any head dim.
+
+    Args:
+        d_model: channels of the query and of the input, a multiple of ``n_heads``.
+        n_levels: levels of the feature pyramid (L).
+        n_heads: attention heads (M); each has ``d_model // n_heads`` channels (D).
+        n_points: samples per head per level (P).
+        backend: ``"auto"`` or a backend's name, given to the op on every call.
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a size below 1, ``d_model`` not a multiple of ``n_heads``, or an unknown ``backend``.
+
+    Example:
+        >>> import torch
+        >>> from msda_core.nn import MSDeformAttn
+        >>> attn = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2)
+        >>> shapes = torch.tensor([(4, 6), (2, 3)])        # (H, W) per level: S = 30
+        >>> query, reference = torch.randn(1, 5, 32), torch.rand(1, 5, 2, 2)
+        >>> attn(query, reference, torch.randn(1, 30, 32), shapes).shape
+        torch.Size([1, 5, 32])
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4, *,
@@ -58,9 +80,24 @@ class MSDeformAttn(nn.Module):
 
     def forward(self, query, reference_points, input_flatten, input_spatial_shapes, input_level_start_index=None,
                 input_padding_mask=None):
-        """query (N, Len_q, C); reference_points (N, Len_q, L or 1, 2) normalized points, or (..., 4) boxes
-        (cx, cy, w, h); input_flatten (N, S, C); input_spatial_shapes (L, 2) tensor or list of (H, W);
-        input_padding_mask (N, S), True at padding. Returns (N, Len_q, C)."""
+        """Attend from each query to ``n_points`` samples per head and level around its reference point.
+
+        Args:
+            query: (N, Len_q, d_model) float tensor.
+            reference_points: (N, Len_q, n_levels or 1, 2) normalized (x, y), offsets then in pixels of each
+                level; or (..., 4) boxes (cx, cy, w, h), offsets in units of half the box per point.
+            input_flatten: (N, S, d_model), the levels flattened and concatenated as the op's ``value``.
+            input_spatial_shapes: (n_levels, 2) int tensor or list of (H, W).
+            input_level_start_index: (n_levels,) int tensor, or None to derive it.
+            input_padding_mask: (N, S) bool, True at padding (those pixels read as 0), or None.
+
+        Returns:
+            (N, Len_q, d_model) in the query's dtype.
+
+        Raises:
+            ValueError: a shape that does not fit ``d_model``, ``n_levels`` or the other arguments, naming the
+                argument; and whatever :func:`msda_core.deform_attn` raises.
+        """
         if query.dim() != 3 or query.shape[2] != self.d_model:
             raise ValueError(f"query: expected shape (N, Len_q, d_model) with d_model = {self.d_model}, got "
                              f"{tuple(query.shape)}")
@@ -102,9 +139,30 @@ def _check_shape(arg, tensor, names, expected):
 
 
 class MultiScaleDeformableAttention(nn.Module):
-    """transformers' parameter-free core of ten detector families, with its forward signature; ``patch`` puts one
-    in place of each. ``calls`` counts eager forwards, so a caller can see that msda ran (not those inside
-    torch.compile'd code: a counter dynamo sees changing would recompile the graph on every call)."""
+    """transformers' parameter-free ``MultiScaleDeformableAttention`` core, run by ``torch.ops.msda.deform_attn``.
+
+    ``msda_core.patch`` puts one in place of each such child of a transformers model (ten detector families).
+    It has state: the ``backend`` given here, and ``calls``, the count of eager forwards, so a caller can see that
+    msda ran (calls inside torch.compile'd code are not counted: a counter dynamo saw changing would recompile
+    the graph on every call). ``msda_core.hub.MultiScaleDeformableAttention`` is the other route, for
+    ``kernels.kernelize``, which accepts only a layer with no state: it has neither.
+
+    Args:
+        backend: ``"auto"`` or a backend's name, given to the op on every call.
+
+    Raises:
+        ValueError: an unknown ``backend``.
+
+    Example:
+        >>> import torch
+        >>> from msda_core.nn import MultiScaleDeformableAttention
+        >>> core = MultiScaleDeformableAttention()
+        >>> shapes = torch.tensor([(4, 6), (2, 3)])
+        >>> value, locations = torch.randn(1, 30, 2, 8), torch.rand(1, 5, 2, 2, 3, 2)
+        >>> out = core(value, shapes, [(4, 6), (2, 3)], None, locations, torch.rand(1, 5, 2, 2, 3))
+        >>> out.shape, core.calls
+        (torch.Size([1, 5, 16]), 1)
+    """
 
     def __init__(self, backend: str = "auto"):
         super().__init__()
@@ -114,8 +172,21 @@ class MultiScaleDeformableAttention(nn.Module):
 
     def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
                 attention_weights, im2col_step=None):
-        """value (B, S, M, D), locations (B, Q, M, L, P, 2), weights (B, Q, M, L, P) -> (B, Q, M*D); im2col_step
-        ignored. The tensor of shapes is used (it is on the device); the list only when no tensor is given."""
+        """transformers' forward: the op on these tensors; ``im2col_step`` is ignored.
+
+        Args:
+            value: (B, S, M, D); value_spatial_shapes: (L, 2) int tensor, used when given (it is on the device);
+            value_spatial_shapes_list: the same as a list of (H, W), used only when the tensor is None;
+            level_start_index: (L,) or None; sampling_locations: (B, Q, M, L, P, 2), or (B, Q, M, L*P, 2)
+            level-major; attention_weights: (B, Q, M, L, P) or (B, Q, M, L*P). Floating dtypes: locations and
+            weights are cast to a pair the op takes (value's dtype, or float32 beside a half value). One device.
+
+        Returns:
+            (B, Q, M*D) in value's dtype.
+
+        Raises:
+            what :func:`msda_core.deform_attn` raises.
+        """
         if not torch.compiler.is_compiling():
             self.calls += 1
         shapes = value_spatial_shapes if value_spatial_shapes is not None else value_spatial_shapes_list
