@@ -1,4 +1,5 @@
-"""Valid tiny inputs built by hand, so core's tests need no other msda package."""
+"""Valid tiny inputs for the validation and registry tests: the anchors' levels, every size a keyword a test can
+change, any dtype (the testkit's cases, which the other tests use, come in fixed shapes)."""
 
 import torch
 

@@ -69,8 +69,9 @@ def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
     return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
 
 
-class _Run:
-    """One call's backend and options: runs its forward and backward, directly or through the opaque ops."""
+class _BackendCall:
+    """The backend chosen for one call, with the call's grad_accum and deterministic: runs its forward and
+    backward, directly or through the opaque ops. Autograd keeps it for the backward."""
 
     __slots__ = ("backend", "grad_accum", "deterministic")
 
@@ -93,17 +94,17 @@ class DeformAttn(torch.autograd.Function):
     Applied to the five tensors unpacked: autograd tracks an apply's tensor arguments, not a tuple's items."""
 
     @staticmethod
-    def forward(ctx, run, *tensors):
-        ctx.run = run
+    def forward(ctx, call, *tensors):
+        ctx.call = call
         ctx.save_for_backward(*tensors)
-        return run.forward(registry.Inputs(*tensors))
+        return call.forward(registry.Inputs(*tensors))
 
     @staticmethod
     def backward(ctx, grad_output):
         if torch.is_grad_enabled():  # create_graph=True: first-order gradients that refuse a second derivative
-            grads = FirstOrderOnly.apply(ctx.run, grad_output.contiguous(), *ctx.saved_tensors)
+            grads = FirstOrderOnly.apply(ctx.call, grad_output.contiguous(), *ctx.saved_tensors)
         else:
-            grads = ctx.run.backward(grad_output.contiguous(), registry.Inputs(*ctx.saved_tensors))
+            grads = ctx.call.backward(grad_output.contiguous(), registry.Inputs(*ctx.saved_tensors))
         grad_value, grad_locations, grad_weights = grads
         return None, grad_value, None, None, grad_locations, grad_weights
 
@@ -112,8 +113,8 @@ class FirstOrderOnly(torch.autograd.Function):
     """The backward's gradients inside a graph (create_graph=True); differentiating them raises."""
 
     @staticmethod
-    def forward(ctx, run, grad_output, *tensors):
-        return run.backward(grad_output, registry.Inputs(*tensors))
+    def forward(ctx, call, grad_output, *tensors):
+        return call.backward(grad_output, registry.Inputs(*tensors))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -145,10 +146,10 @@ def _zeros_of(shape, *tensors):
     return tensors[0].new_zeros(shape) + anchor.to(tensors[0].dtype)
 
 
-def _choose(inputs: registry.Inputs, backend, grad_accum, deterministic: bool,
-            grad_output=None) -> registry.Backend:
-    """Validate the call (and the backward's grad_output), then the backend that runs it: what both public ops do
-    first."""
+def _validate_and_resolve(inputs: registry.Inputs, backend, grad_accum, deterministic: bool,
+                          grad_output=None) -> registry.Backend:
+    """Validate the call (and the backward's grad_output), then resolve the backend that runs it: what both
+    public ops do first."""
     check_grad_accum(grad_accum)
     check_inputs(inputs)
     if grad_output is not None:
@@ -163,24 +164,25 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
     differentiable = (value, sampling_locations, attention_weights)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     deterministic = needs_grad and _deterministic(deterministic)  # only the backward can be nondeterministic
-    chosen = _choose(inputs, backend, grad_accum, deterministic)
+    chosen = _validate_and_resolve(inputs, backend, grad_accum, deterministic)
     if _no_terms(inputs):
         return _zeros_of(output_shape(value, sampling_locations), *differentiable)
     inputs = _with_level_starts(inputs)
-    run = _Run(chosen, grad_accum, deterministic)
+    call = _BackendCall(chosen, grad_accum, deterministic)
     if needs_grad:
-        return DeformAttn.apply(run, *inputs)
-    return run.forward(inputs)
+        return DeformAttn.apply(call, *inputs)
+    return call.forward(inputs)
 
 
 def _deform_attn_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights, *, backend="auto", grad_accum="auto", deterministic=None):
     inputs = registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     deterministic = _deterministic(deterministic)
-    chosen = _choose(inputs, backend, grad_accum, deterministic, grad_output)
+    chosen = _validate_and_resolve(inputs, backend, grad_accum, deterministic, grad_output)
     if _no_terms(inputs):
         return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
-    return _Run(chosen, grad_accum, deterministic).backward(grad_output.contiguous(), _with_level_starts(inputs))
+    call = _BackendCall(chosen, grad_accum, deterministic)
+    return call.backward(grad_output.contiguous(), _with_level_starts(inputs))
 
 
 _LIBRARY.impl("deform_attn", _deform_attn, "CompositeImplicitAutograd")
