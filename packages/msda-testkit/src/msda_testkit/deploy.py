@@ -1,5 +1,5 @@
 """The AOTInductor recipe's last step, a C++ program with no Python that runs a ``.pt2`` package, and the model
-and inputs the deployment tests export (``python -m msda_benchmarks.deploy`` times them).
+and inputs the deployment tests export (``python -m msda_benchmarks.deploy_bench`` times them).
 
 ``build_aoti_runner`` compiles ``aoti_runner.cpp`` (beside this file) against the installed libtorch with the
 system's C++ compiler; ``run_aoti_package`` runs it in a subprocess on tensors passed through files.

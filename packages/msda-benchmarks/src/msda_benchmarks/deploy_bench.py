@@ -1,4 +1,4 @@
-"""``python -m msda_benchmarks.deploy``: the op's time eagerly, under torch.compile (default and
+"""``python -m msda_benchmarks.deploy_bench``: the op's time eagerly, under torch.compile (default and
 reduce-overhead) and as an AOTInductor package run from msda_testkit's C++ runner.
 
 The runner and the packages are built in a temporary folder, removed at the end.
@@ -51,13 +51,14 @@ def measure(name: str, dtype: torch.dtype, device: torch.device, folder: Path, r
 
 
 def main(argv=None) -> int:
-    parser = cli.parser("msda_benchmarks.deploy", __doc__)
+    parser = cli.parser("msda_benchmarks.deploy_bench", __doc__)
     cli.add_device(parser)
     parser.add_argument("--cases", nargs="*", default=["decoder_b4_q300", "encoder_b2"], help="msda_testkit cases")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the inputs' dtype")
     parser.add_argument("--seconds", type=float, default=0.5, help="the least time of timed calls per Python figure")
     parser.add_argument("--repeats", type=int, default=50, help="timed calls of the C++ runner")
-    parser.add_argument("--json", default="deploy.json", help="where the figures go, in the current folder by default")
+    parser.add_argument("--json", default="deploy_bench.json",
+                        help="where the figures go, in the current folder by default")
     args = parser.parse_args(argv)
     device = cli.device(parser.prog, args.device)
     rows = []
