@@ -1,7 +1,7 @@
 """``python experiments/decoder_host_time.py`` (from packages/msda-benchmarks) (GPU): host time of the decoder B4
 Q300 op called from Python.
 
-The launch replay on and off by turns (msda_triton.replay.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
+The launch replay on and off by turns (msda_triton.launcher.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
 and a torch.profiler breakdown of forward+grad, and torch.compile's figure beside eager's (BENCHMARKS.md, "The
 decoder call from Python")."""
 import cProfile
@@ -14,7 +14,7 @@ from dataclasses import replace
 import msda_testkit as kit
 import torch
 from msda_testkit.cases import STANDARD_CASES
-from msda_triton import replay
+from msda_triton import launcher
 
 GPU_CASES = tuple(replace(c, loc_range=(-0.1, 1.1)) for c in STANDARD_CASES)  # the bench's cases
 
@@ -51,10 +51,10 @@ for dtype in (torch.float32, torch.bfloat16):
     res = {(on, name): [] for on in (True, False) for name in ("fwd", "both")}
     for _ in range(6):
         for on in (True, False):
-            replay.ENABLED = on
+            launcher.ENABLED = on
             res[(on, "fwd")].append(host_ms(fwd))
             res[(on, "both")].append(host_ms(both))
-    replay.ENABLED = True
+    launcher.ENABLED = True
     for name in ("fwd", "both"):
         on, off = (statistics.median(res[(o, name)]) for o in (True, False))
         print(f"replay {str(dtype)[6:]:9s} {name:5s} on {on:.4f} off {off:.4f} ms  saves {1 - on / off:.0%}",

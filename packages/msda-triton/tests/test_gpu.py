@@ -7,7 +7,7 @@ import msda_testkit as kit
 import pytest
 import torch
 from helpers import CROWDED, VARIANTS, _id, assert_triton_parity
-from msda_triton import backend, compile_ptx, kernels, replay
+from msda_triton import backend, compile_ptx, kernels, launcher
 from triton_env import gpu_only
 
 pytestmark = gpu_only
@@ -47,7 +47,7 @@ def test_auto_picks_triton_on_cuda():
 
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
-    """A launch is replayed for tensors of the same key (replay.key). The kernels compiled for 16-byte
+    """A launch is replayed for tensors of the same key (launcher.key). The kernels compiled for 16-byte
     aligned tensors use 16-byte loads, so tensors starting one element later must get kernels of their own."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, device="cuda")
     assert_triton_parity(inputs, "fp32")
@@ -62,31 +62,31 @@ def test_misaligned_inputs_after_aligned_ones_of_the_same_shapes(dtype):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_replayed_launches_read_the_new_tensors(deterministic):
     """A second call with the same shapes launches every kernel through the first call's plan
-    (replay.launch), on its own tensors: its results match float64 for its own inputs."""
+    (launcher.launch), on its own tensors: its results match float64 for its own inputs."""
     case = replace(kit.case("out_of_bounds"), queries=37)  # a shape no other test launches
     first, second = (kit.make_inputs(case, F32, device="cuda", seed=seed) for seed in (0, 1))
-    replay._plans.clear()
+    launcher._plans.clear()
     kit.run(first, "triton", kit.grad_output_for(first), deterministic=deterministic)
-    plans = dict(replay._plans)
+    plans = dict(launcher._plans)
     assert len(plans) == (4 if deterministic else 2)  # forward, backward (+ anchor mass, finish)
     assert_triton_parity(second, "auto", deterministic=deterministic)
-    assert replay._plans == plans  # nothing derived again
+    assert launcher._plans == plans  # nothing derived again
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
 def test_a_replayed_launch_gives_the_bits_of_a_plain_one(dtype, monkeypatch):
     """Every kernel of a deterministic forward+backward, launched through the JIT with the replay off and then
-    replayed from a plan (replay.launch says it ran one): the same bits."""
+    replayed from a plan (launcher.launch says it ran one): the same bits."""
     inputs = kit.make_inputs(replace(kit.case("out_of_bounds"), queries=41), dtype, device="cuda")
     grad_output = kit.grad_output_for(inputs)
-    monkeypatch.setattr(replay, "ENABLED", False)
+    monkeypatch.setattr(launcher, "ENABLED", False)
     plain = kit.run(inputs, "triton", grad_output, deterministic=True)
-    monkeypatch.setattr(replay, "ENABLED", True)
-    replay._plans.clear()
+    monkeypatch.setattr(launcher, "ENABLED", True)
+    launcher._plans.clear()
     kit.run(inputs, "triton", grad_output, deterministic=True)  # leaves the plans
     replayed = []
-    monkeypatch.setattr(replay, "_plans", {k: replay._Plan(_counting(plan.runner, replayed), plan.trailing)
-                                           for k, plan in replay._plans.items()})
+    monkeypatch.setattr(launcher, "_plans", {k: launcher._Plan(_counting(plan.runner, replayed), plan.trailing)
+                                             for k, plan in launcher._plans.items()})
     again = kit.run(inputs, "triton", grad_output, deterministic=True)
     assert len(replayed) == 4  # forward, anchor mass, backward, finish
     for name in plain:

@@ -1,4 +1,4 @@
-"""replay.launch: an eager launch is repeated through Triton's compiled kernel only for tensors that Triton would
+"""launcher.launch: an eager launch is repeated through Triton's compiled kernel only for tensors that Triton would
 specialize alike and that fix the same integer arguments (the same shapes); the replay, the one use of a private
 Triton API, turns itself off when that API is not what it expects, and the JIT, its fallback, launches with the
 same arguments.
@@ -10,7 +10,7 @@ inputs of one shape).
 
 import pytest
 import torch
-from msda_triton import replay
+from msda_triton import launcher
 from triton.compiler import CompiledKernel
 
 
@@ -54,14 +54,14 @@ def _at(residue: int, dtype=torch.float32) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(replay, "_plans", {})
-    monkeypatch.setattr(replay, "ENABLED", True)
+    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(launcher, "ENABLED", True)
 
 
 def _launch(kernel, x, replayable=True) -> bool:
     """A launch with grid (4,), scalar n = x.numel(), BLOCK 16, 2 warps; whether a plan ran it."""
-    derive = lambda: replay.Launch((4,), (x.numel(),), {"BLOCK": 16}, 2)  # noqa: E731
-    return replay.launch(kernel, (x,), derive, {"enable_fp_fusion": True}, replayable)
+    derive = lambda: launcher.Launch((4,), (x.numel(),), {"BLOCK": 16}, 2)  # noqa: E731
+    return launcher.launch(kernel, (x,), derive, {"enable_fp_fusion": True}, replayable)
 
 
 
@@ -79,10 +79,10 @@ def test_the_jit_fallback_binds_the_same_arguments_as_the_replay():
     """What the replayed launcher receives positionally is what the JIT received, bound by name."""
     kernel, x = _Kernel(), _at(0)
     _launch(kernel, x)
-    replay.ENABLED = False
+    launcher.ENABLED = False
     assert not _launch(kernel, x)
     (_, _, jit_args, constexprs, _), (_, _, again, _, _) = kernel.launches
-    replay.ENABLED = True
+    launcher.ENABLED = True
     _launch(kernel, x)
     bound = dict(zip(_Kernel.arg_names, jit_args)) | constexprs
     assert dict(zip(_Kernel.arg_names, kernel.launches[2][2])) == bound and again == jit_args
@@ -123,7 +123,7 @@ def test_a_compiled_kernel_without_the_expected_launcher_leaves_no_plan_and_stop
 
     kernel, x = _Kernel(returns=NoLauncher), _at(0)
     _launch(kernel, x)
-    assert not replay.ENABLED and replay._plans == {}
+    assert not launcher.ENABLED and launcher._plans == {}
     assert not _launch(kernel, x)
 
 
@@ -137,14 +137,14 @@ def test_a_launcher_whose_calling_convention_changed_falls_back_to_the_jit():
     kernel, x = _Kernel(returns=ChangedLauncher), _at(0)
     _launch(kernel, x)
     assert not _launch(kernel, x)  # the plan raised before launching: the JIT launched instead
-    assert not replay.ENABLED and replay._plans == {}
+    assert not launcher.ENABLED and launcher._plans == {}
     _launch(kernel, x)
-    assert _routes(kernel) == ["jit", "jit", "jit"] and replay._plans == {}
+    assert _routes(kernel) == ["jit", "jit", "jit"] and launcher._plans == {}
 
 
 def test_replays_switched_off_launch_through_the_jit_every_time():
     kernel, x = _Kernel(), _at(0)
-    replay.ENABLED = False
+    launcher.ENABLED = False
     _launch(kernel, x)
-    assert not _launch(kernel, x) and replay._plans == {}
+    assert not _launch(kernel, x) and launcher._plans == {}
     assert _routes(kernel) == ["jit", "jit"]

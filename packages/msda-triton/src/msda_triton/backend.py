@@ -7,7 +7,7 @@ CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 (how CI runs th
 
 Each launch site (launch_forward, fixed_point_maxima, launch_backward, finish_fixed_point) hands its kernel, its
 pointers and a ``derive()`` of the rest of the launch to ``_launch``, once: traced, wrap_triton records it;
-eagerly, ``replay.launch`` runs the launcher an earlier launch of the same key left (the one private Triton API,
+eagerly, ``launcher.launch`` runs the launcher an earlier launch of the same key left (the one private Triton API,
 in its own module, with the JIT as its fallback) or derives the launch. The bodies also run on fake tensors, so
 they branch on metadata only: a launch rule that depends on a size the trace leaves symbolic takes the choice
 that is right for every size (launch_forward).
@@ -23,8 +23,8 @@ import triton
 from msda_core import Backend, output_shape
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import kernels, replay
-from .replay import Launch
+from . import kernels, launcher
+from .launcher import Launch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when kernels are defined
 if INTERPRETED:
@@ -51,10 +51,10 @@ def _eager(tensor) -> bool:
 def _launch(kernel, pointers: tuple, derive, tuned: bool = False) -> None:
     """Every launch of the backend: ``kernel`` on ``pointers`` (its leading arguments), the rest from ``derive()``
     (a Launch). Traced, through wrap_triton, which records the launch for Inductor to compile with its own
-    options; eagerly, through replay.launch with kernels.COMPILE_OPTIONS (a ``tuned`` launch, from a tuning
+    options; eagerly, through launcher.launch with kernels.COMPILE_OPTIONS (a ``tuned`` launch, from a tuning
     config rather than the tensors' metadata, leaves no plan)."""
     if _eager(pointers[0]):
-        replay.launch(kernel, pointers, derive, kernels.COMPILE_OPTIONS, replayable=not tuned)
+        launcher.launch(kernel, pointers, derive, kernels.COMPILE_OPTIONS, replayable=not tuned)
         return
     grid, scalars, constexprs, num_warps = derive()
     torch.library.wrap_triton(kernel)[grid](*pointers, *scalars, **constexprs, num_warps=num_warps)
