@@ -32,7 +32,8 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("msda against each library's PyTorch path (shims: the float64 reference), float64, CPU")
     terminalreporter.write_line(f"{'model':<30} {'mechanism':<18} {'output err':>11} {'grad err':>10} {'calls':>6} "
-                                f"{'min knot dist':>14}")
+                                f"{'min knot dist':>14} {'verified':>9}")
     for name, r in RESULTS.items():
         terminalreporter.write_line(f"{name:<30} {'+'.join(r['mechanisms']):<18} {r['output_error']:>11.2e} "
-                                    f"{r['gradient_error']:>10.2e} {r['calls']:>6} {r['min_knot_distance']:>14.2e}")
+                                    f"{r['gradient_error']:>10.2e} {r['calls']:>6} {r['min_knot_distance']:>14.2e} "
+                                    f"{r['verified']:>9}")

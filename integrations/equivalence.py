@@ -124,6 +124,7 @@ class Result:
     gradient_error: float  # the same over every parameter's gradient
     calls: int
     min_knot_distance: float
+    verified: str  # "k/n": sites verified on their first call / sites msda served ("-": no patch)
 
 
 def check_patched_equals_unpatched(model: nn.Module, inputs: dict) -> Result:
@@ -137,6 +138,7 @@ def check_patched_equals_unpatched(model: nn.Module, inputs: dict) -> Result:
         assert report.patched, str(report)
         outputs, grads = forward_backward(model, inputs)
         assert all(p.calls > 0 for p in report.patched), f"a patched module did not run:\n{report}"
+        verified = verified_sites(report)
         assert model.state_dict(keep_vars=True).keys() == state.keys()
         assert all(t is state[k] for k, t in model.state_dict(keep_vars=True).items())
         # what patch put into the model pickles, so the model still does where its library's does
@@ -151,7 +153,17 @@ def check_patched_equals_unpatched(model: nn.Module, inputs: dict) -> Result:
     assert grads.keys() == expected_grads.keys()
     assert all((grads[n] is None) == (g is None) for n, g in expected_grads.items())
     return Result(sorted({p.mechanism.split(":")[0] for p in report.patched}), output_error,
-                  _gradient_error(grads, expected_grads), report.calls, recording.min_knot_distance)
+                  _gradient_error(grads, expected_grads), report.calls, recording.min_knot_distance, verified)
+
+
+def verified_sites(report) -> str:
+    """Asserts that every site msda served was verified against its original on its first call (and no module was
+    sent back); returns "k/n", k verified of n served."""
+    assert not any(p.reverted for p in report.patched) and not [e for e in report.left_alone if "differs" in e.reason]
+    served = [site for p in report.patched for site in p.sites if site.calls]
+    unverified = [site.state for site in served if not site.state.startswith("verified on its first call: ")]
+    assert not unverified, f"{unverified}\n{report}"
+    return f"{len(served)}/{len(served)}"
 
 
 def _gradient_error(grads: dict, expected: dict) -> float:

@@ -32,7 +32,7 @@ def _check_function(function, *extra) -> Result:
     output_error = kit.assert_close("output", output, expected["output"], FORWARD).max_rel_err
     gradient_error = max(kit.assert_close(name, grad, expected[name], GRADIENT).max_rel_err
                          for name, grad in zip(kit.GRAD_NAMES, grads))
-    return Result(["shim"], output_error, gradient_error, recording.calls, recording.min_knot_distance)
+    return Result(["shim"], output_error, gradient_error, recording.calls, recording.min_knot_distance, "-")
 
 
 def test_mmcv_ext_is_msda_and_mmcv_ops_imports(record):

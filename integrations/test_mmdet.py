@@ -16,7 +16,7 @@ import msda_core
 import msda_testkit as kit
 import pytest
 import torch
-from equivalence import OUTPUT, Recording, Result, _gradient_error, randomize
+from equivalence import OUTPUT, Recording, Result, _gradient_error, randomize, verified_sites
 from mmcv.ops import multi_scale_deform_attn
 from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample
@@ -89,11 +89,13 @@ def test_training_step_through_msda_equals_mmcvs_pytorch_path(config, route, mon
         if route == "shim":
             monkeypatch.setattr(multi_scale_deform_attn, "multi_scale_deformable_attn_pytorch", through_mmcv_function)
             loss, grads = training_step(model)
-            mechanisms = ["shim"]
+            mechanisms, verified = ["shim"], "-"
         else:
             with msda_core.patch(model) as report:
                 loss, grads = training_step(model)
             assert report.calls == recording.calls, str(report)
+            assert len(report.patched) == 4, str(report)  # one entry per module, with a site per name it calls
+            verified = verified_sites(report)
             mechanisms = sorted({p.mechanism.split(":")[0] for p in report.patched})
     assert (recording.calls, recording.backward_calls) == (4, 4)  # 2 encoder + 2 decoder layers, once each
     assert recording.min_knot_distance > 1e-12, recording.min_knot_distance
@@ -101,4 +103,4 @@ def test_training_step_through_msda_equals_mmcvs_pytorch_path(config, route, mon
     assert grads.keys() == expected_grads.keys()
     gradient_error = _gradient_error(grads, expected_grads)
     record(f"mmdet {config.split('/')[0]} {route}",
-           Result(mechanisms, loss_error, gradient_error, recording.calls, recording.min_knot_distance))
+           Result(mechanisms, loss_error, gradient_error, recording.calls, recording.min_knot_distance, verified))

@@ -240,16 +240,27 @@ def _check(model: nn.Module):
             module.cuda_branch = module.patched_on_cuda
     with Recording() as recording, msda_core.use_backend(recording.name), msda_core.patch(model) as report:
         outputs, grads = forward_backward(model, _inputs())
-        calls = {(p.name, p.mechanism): (p.calls, p.fallbacks) for p in report.patched}
+        calls = {(p.name, site.label): (site.calls, site.fallbacks) for p in report.patched for site in p.sites}
+        states = {(p.name, site.label): site.state for p in report.patched for site in p.sites}
         left_alone = [(e.name, e.reason) for e in report.left_alone]
         total = report.calls
     assert recording.calls == total and recording.min_knot_distance > KNOT_DISTANCE
+    for key, state in states.items():  # each site msda served was verified against its original's output
+        if calls[key][0] == 0:
+            assert state == "not yet called", (key, state)
+        elif "Function_fp" in key[1]:  # BEVFormer's CUDA branch: its compiled op, a stand-in that raises
+            assert state.startswith("not verified: the original could not run (AssertionError: BEVFormer's "), state
+        else:
+            assert state.startswith("verified on its first call: max |msda - original| "), (key, state)
     output_error = max(kit.assert_close(f"output {i}", actual, wanted, FORWARD).max_rel_err
                        for i, (actual, wanted) in enumerate(zip(outputs, expected, strict=True)))
     gradient_error = max(kit.assert_close(f"grad {name}", grads[name], wanted, GRADIENT).max_rel_err
                          for name, wanted in expected_grads.items())
     mechanisms = sorted({mechanism.split(":")[0] for _, mechanism in calls})
-    return calls, left_alone, Result(mechanisms, output_error, gradient_error, total, recording.min_knot_distance)
+    served = [state for key, state in states.items() if calls[key][0]]
+    verified = f"{sum(state.startswith('verified') for state in served)}/{len(served)}"
+    return calls, left_alone, Result(mechanisms, output_error, gradient_error, total, recording.min_knot_distance,
+                                     verified)
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -260,6 +271,7 @@ def test_patched_pattern_equals_its_pytorch_path(pattern, record):
     assert not left_alone
     assert calls[("", mechanism)] == (1, 0), calls  # msda ran once, nothing went to the original
     assert all(n == (0, 0) for key, n in calls.items() if key[1] != mechanism)  # BEVFormer's other branch
+    assert len({name for name, _ in calls}) == 1  # one module: one report entry, with a site per name it calls
     record(pattern, result)
 
 
@@ -287,7 +299,11 @@ class _Every(nn.Module):
 def test_patch_changes_no_pattern_output():
     torch.manual_seed(0)
     calls, left_alone, _ = _check(_Every())
-    assert all(n > 0 and fallbacks == 0 for n, fallbacks in calls.values()), calls
+    served = {name: 0 for name, _ in calls}
+    for (name, _), (n, fallbacks) in calls.items():
+        served[name] += n
+        assert fallbacks == 0, calls
+    assert len(served) == len(PATTERNS) and all(served.values()), calls  # every module ran through msda
     assert [name for name, _ in left_alone] == ["patterns.9"]  # the discrete one
 
 
@@ -312,4 +328,5 @@ def test_bevformer_functions_keep_their_autocast_casts(function, dtype):
                                                                weights.to(dtype))
         kit.assert_close("autocast output", output, expected, kit.tolerance(dtype, "forward"))
         assert patched.apply(value, *args, locations, weights, 64).dtype == torch.bfloat16
-        assert [p.calls for p in report.patched if p.mechanism == f"global: {name}"] == [2]
+        assert patched.outside.calls == 2  # called here, not from a patched module's forward
+        assert all(site.calls == 0 for p in report.patched for site in p.sites if site.label == f"global: {name}")

@@ -5,7 +5,8 @@
 - ``shims``: stand-ins for the compiled extensions (``MultiScaleDeformableAttention``, ``mmcv._ext``, ...).
 - ``nn``: the modules (Deformable DETR's ``MSDeformAttn``, transformers' parameter-free core).
 - ``hub``: the layer Hugging Face's ``kernels`` swaps in.
-- ``patching``: ``patch(model)``, which routes an existing model's attention through the drop-ins.
+- ``patching``: ``patch(model)``, which routes an existing model's attention through the drop-ins: ``forms``
+  (recognising a family's function), ``replace`` (the counted, verified replacements), ``report``.
 - ``onnx``: the export tables.
 
 Everything here calls ``torch.ops.msda.deform_attn`` and nothing in the op core imports it. Users import these
