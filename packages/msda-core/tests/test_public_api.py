@@ -13,8 +13,8 @@ def test_star_import_gives_what_users_call():
     exec("from msda_core import *", namespace)
     assert sorted(k for k in namespace if k != "__builtins__") == [
         "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn",
-        "deform_attn_backward", "hub", "nn", "onnx", "patch", "register", "resolve_backend", "unpatch", "unregister",
-        "use_backend"]
+        "deform_attn_backward", "export", "hub", "nn", "onnx", "patch", "register", "resolve_backend", "unpatch",
+        "unregister", "use_backend"]
     for name in ("Inputs", "Metadata", "Request", "request", "resolve", "load_errors", "output_shape"):
         assert hasattr(msda_core, name), name
 
@@ -29,7 +29,8 @@ PUBLIC_IMPORTS = [
     "import msda_core.nn; msda_core.nn.MSDeformAttn",
     "from msda_core.hub import mapping, MultiScaleDeformableAttention, Repository",
     "from msda_core.onnx import translation_table",
-    "import msda_core.onnx; msda_core.onnx.translation_table",
+    "import msda_core.onnx; msda_core.onnx.translation_table; msda_core.onnx.export_form",
+    "from msda_core.export import decomposition_table, deform_attn_gather",
     "from msda_core import patch, unpatch, PatchReport, deform_attn, use_backend, resolve_backend",
 ]
 
@@ -42,5 +43,5 @@ def test_public_names_import_from_where_they_did(statement):
 
 def test_the_public_modules_are_the_adapters():
     from msda_core import adapters
-    for name in ("compat", "nn", "hub", "onnx"):
+    for name in ("compat", "export", "nn", "hub", "onnx"):
         assert sys.modules[f"msda_core.{name}"] is getattr(adapters, name), name

@@ -7,7 +7,7 @@ msda-triton) through the ``msda.backends`` entry points.
 
 import sys
 
-from .adapters import compat, hub, nn, onnx  # onnx imports onnxscript only when a table is built
+from .adapters import compat, export, hub, nn, onnx  # onnx imports onnxscript only when a table is built
 from .adapters.patching import PatchReport, patch, unpatch
 from .op import deform_attn, deform_attn_backward
 from .op import output_shape as output_shape
@@ -28,8 +28,9 @@ from .registry import load_errors as load_errors
 
 __version__ = "0.2.0"
 
-# The adapters' public homes: ``import msda_core.compat`` (and nn, hub, onnx) as before they moved to adapters/.
-for _adapter in (compat, hub, nn, onnx):
+# The adapters' public homes: ``import msda_core.compat`` (and export, nn, hub, onnx), as before they moved to
+# adapters/.
+for _adapter in (compat, export, hub, nn, onnx):
     sys.modules[f"{__name__}.{_adapter.__name__.rpartition('.')[2]}"] = _adapter
 
 
@@ -75,5 +76,5 @@ def resolve_backend(value, sampling_locations, backend: str = "auto", grad_accum
 # load_errors, output_shape.
 __all__ = [
     "Backend", "BackendUnavailableError", "PatchReport", "backends", "compat", "deform_attn", "deform_attn_backward",
-    "hub", "nn", "onnx", "patch", "register", "resolve_backend", "unpatch", "unregister", "use_backend",
+    "export", "hub", "nn", "onnx", "patch", "register", "resolve_backend", "unpatch", "unregister", "use_backend",
 ]

@@ -20,6 +20,8 @@ is needed (an autograd.Function below a composite op is what torch's own Python 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import registry
@@ -135,6 +137,17 @@ def _with_level_starts(inputs: registry.Inputs) -> registry.Inputs:
     return inputs._replace(level_start_index=sizes.cumsum(0) - sizes)
 
 
+def _exporting_to_onnx() -> bool:
+    """Whether torch's ONNX exporter is recording this call: then the op runs as the gather form in aten ops
+    (adapters.export), what the dynamo exporter translates when no table names the op, and the TorchScript exporter's
+    symbolic is registered (adapters.onnx). An eager call pays a dict lookup while torch.onnx was never imported."""
+    if "torch.onnx" not in sys.modules:
+        return False
+    from .adapters import onnx
+
+    return onnx.exporting()
+
+
 def _no_terms(inputs: registry.Inputs) -> bool:
     """B, Q, M, D or P of zero: the sum has no terms, so the result is zeros and no kernel runs."""
     return inputs.value.numel() == 0 or inputs.sampling_locations.numel() == 0
@@ -167,6 +180,10 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
     chosen = _validate_and_resolve(inputs, backend, grad_accum, deterministic)
     if _no_terms(inputs):
         return _zeros_of(output_shape(value, sampling_locations), *differentiable)
+    if _exporting_to_onnx():
+        from .adapters.export import deform_attn_gather
+
+        return deform_attn_gather(*inputs)
     inputs = _with_level_starts(inputs)
     call = _BackendCall(chosen, grad_accum, deterministic)
     if needs_grad:

@@ -7,9 +7,11 @@
 - ``hub``: the layer Hugging Face's ``kernels`` swaps in.
 - ``patching``: ``patch(model)``, which routes an existing model's attention through the drop-ins: ``forms``
   (recognising a family's function), ``replace`` (the counted, verified replacements), ``report``.
-- ``onnx``: the export tables.
+- ``onnx``: the ONNX graph forms, for both of torch's exporters.
+- ``export``: the op as plain aten ops, for torch.export consumers (and the dynamo ONNX exporter without a table).
 
-Everything here calls ``torch.ops.msda.deform_attn`` and nothing in the op core imports it. Users import these
-as ``msda_core.compat``, ``msda_core.nn``, ``msda_core.hub`` and ``msda_core.onnx`` (msda_core registers those
-names) and ``msda_core.patch``.
+Everything here calls ``torch.ops.msda.deform_attn``; the op core imports none of it, except while one of torch's
+ONNX exporters runs (op.py then records ``export``'s decomposition and registers ``onnx``'s symbolic). Users import
+these as ``msda_core.compat``, ``msda_core.nn``, ``msda_core.hub``, ``msda_core.onnx`` and ``msda_core.export``
+(msda_core registers those names) and ``msda_core.patch``.
 """

@@ -1,93 +1,366 @@
-"""ONNX export of ``msda::deform_attn``: the translation table for ``torch.onnx.export(..., dynamo=True)``.
+"""ONNX export of ``msda::deform_attn``, with either of torch's exporters, in one of three graph forms.
 
-    table = msda_core.onnx.translation_table()
-    program = torch.onnx.export(model, args, dynamo=True, custom_translation_table=table)
+    torch.onnx.export(model, args)                                        # dynamo exporter (torch's default)
+    torch.onnx.export(model, args, f, dynamo=False)                       # TorchScript-based exporter
+    torch.onnx.export(model, args, dynamo=True, custom_translation_table=msda_core.onnx.translation_table(form))
+    with msda_core.onnx.export_form("grid_sample"):                       # a form for the TorchScript exporter
+        torch.onnx.export(model, args, f, dynamo=False)
 
-The exporter keeps the op as one node because the table names it, then builds it with the function given here:
-- standard ops (default): per level one ``GridSample`` (opset 16+, bilinear, zeros padding, align_corners=0, on the
-  grid 2 * loc - 1: the op's bilinear sample exactly), times the weights, summed: what onnxruntime runs anywhere.
-  The number of levels L is read from the locations' static shape; the level sizes and starts are read from the
-  tensors when the model runs, so batch and queries may be dynamic. Half inputs are computed in float32.
-- ``plugin="tensorrt"``: one ``MultiscaleDeformableAttnPlugin_TRT`` node (TensorRT's plugin, matched by op_type;
-  the custom domain keeps the model valid ONNX) with what it needs around it: int32 level tables, value, locations
-  and weights cast to one dtype (fp32, or fp16 for an fp16 value), and its (B, Q, M, D) output reshaped to ours.
+The forms (``FORMS``):
+- ``"gather"`` (the default): the gather backend's arithmetic (msda_core.export's module docstring) in standard
+  ops only: Gather, Floor, Mul, Add, Where, ReduceSum and their like, no GridSample and no data-dependent split, so
+  runtimes without GridSample (TFLite/LiteRT, NPUs) and TensorRT versions that miscompile it take it. Corners off
+  the map read an appended zero row, so no index leaves ``value``. No tensor inside has more than 5 dimensions.
+- ``"grid_sample"``: per level one ``GridSample`` (opset 16+, bilinear, zeros padding, align_corners=0, on the grid
+  2 * loc - 1: the op's bilinear sample exactly), times the weights, summed: the pattern onnxruntime and OpenVINO
+  know.
+- ``"tensorrt"``: one ``MultiscaleDeformableAttnPlugin_TRT`` node (TensorRT's plugin, matched by op_type; the custom
+  domain keeps the model valid ONNX) with what it needs around it: int32 level tables, value, locations and
+  weights cast to one dtype (fp32, or fp16 for an fp16 value), and its (B, Q, M, D) output reshaped to ours.
+In the standard forms half inputs are computed in float32 and the output cast back; batch and queries may be
+dynamic; L and P are read from the locations' static shape, level sizes and starts from the tensors at run time.
 
-onnxscript is imported only when the table is built, so msda-core depends on torch alone.
+Each form is written once, against a small graph interface (``_Graph``) that both exporters provide: onnxscript's
+ops for the dynamo exporter's translation table, ``g.op`` for the TorchScript exporter's symbolic. The dynamo
+exporter without a table records the op's decomposition under ONNX export (msda_core.op), which is the gather
+form in aten ops (msda_core.export). onnxscript and onnx are imported only when a table is built: msda-core
+depends on torch alone, and the TorchScript exporter needs neither.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import sys
+
 import torch
 
-PLUGINS = (None, "tensorrt")
-OPSET = 18
+FORMS = ("gather", "grid_sample", "tensorrt")
+OPSET = 18  # of the translation table's functions; the dynamo exporter converts them to the opset asked for
+MIN_OPSET = 16  # GridSample's first; the TorchScript symbolic is registered from here on
 TRT_DOMAIN = "trt.plugins"
+EXTRA = "pip install 'msda-core[onnx]'"
+# ONNX TensorProto element types (the ONNX spec's numbers; onnxscript's ir.DataType has the same values)
+FLOAT, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16 = 1, 6, 7, 10, 11, 16
+_SCALAR_TYPES = {"Float": FLOAT, "Int": INT32, "Long": INT64, "Half": FLOAT16, "Double": DOUBLE,
+                 "BFloat16": BFLOAT16}  # TorchScript's names for them
+
+_form: contextvars.ContextVar[str] = contextvars.ContextVar("msda_onnx_form", default="gather")
 
 
-def translation_table(plugin: str | None = None) -> dict:
-    """``{torch.ops.msda.deform_attn.default: function}`` for ``torch.onnx.export``'s ``custom_translation_table``."""
-    if plugin not in PLUGINS:
-        raise ValueError(f"plugin: expected one of {PLUGINS}, got {plugin!r}")
-    import onnxscript
-
-    op = getattr(onnxscript, f"opset{OPSET}")
-    build = _tensorrt_node if plugin == "tensorrt" else _standard_ops
-    return {torch.ops.msda.deform_attn.default: lambda *args, **options: build(op, *args)}
+def _check_form(form: str) -> str:
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    return form
 
 
-def _ints(op, *values):
-    return op.Constant(value_ints=list(values))
+def _require(module: str, entry: str):
+    """Import an optional dependency, or say which extra installs it."""
+    try:
+        return __import__(module)
+    except ImportError as error:
+        raise ModuleNotFoundError(f"{entry} needs {module}, which is not installed: {EXTRA}") from error
 
 
-def _cast(op, x, dtype):
-    return x if x.dtype == dtype else op.Cast(x, to=dtype)
+def translation_table(form: str | None = None, *, plugin: str | None = None) -> dict:
+    """``{torch.ops.msda.deform_attn.default: function}`` for the dynamo exporter's ``custom_translation_table``.
+
+    Args:
+        form: ``"gather"``, ``"grid_sample"`` or ``"tensorrt"`` (module docstring); None takes the innermost
+            :func:`export_form` block's, else ``"gather"``.
+        plugin: the former spelling: ``plugin="tensorrt"`` is ``form="tensorrt"``; None changes nothing.
+
+    Returns:
+        A dict for ``torch.onnx.export(..., dynamo=True, custom_translation_table=...)``. Its function builds the
+        form at opset 18, which the exporter converts to the ``opset_version`` asked for (16 or later).
+
+    Raises:
+        ValueError: an unknown form, or a plugin other than "tensorrt" (the message names ``form=``).
+        ModuleNotFoundError: onnxscript (or, for "tensorrt", onnx) is not installed; the message names the extra.
+
+    Example:
+        >>> import torch, msda_core
+        >>> class Attention(torch.nn.Module):
+        ...     def forward(self, value, shapes, loc, weights):
+        ...         return torch.ops.msda.deform_attn(value, shapes, None, loc, weights)
+        >>> shapes = torch.tensor([[2, 3]])  # one level of 2 x 3 pixels
+        >>> args = (torch.randn(1, 6, 2, 4), shapes, torch.rand(1, 5, 2, 1, 3, 2), torch.rand(1, 5, 2, 1, 3))
+        >>> program = torch.onnx.export(Attention(), args, dynamo=True, verbose=False,
+        ...                             custom_translation_table=msda_core.onnx.translation_table("gather"))
+        >>> "GridSample" in {node.op_type for node in program.model.graph}
+        False
+    """
+    if plugin is not None:
+        if plugin != "tensorrt" or form not in (None, "tensorrt"):
+            raise ValueError(f"plugin: expected 'tensorrt' or None, got {plugin!r} (with form={form!r}); "
+                             f"choose the graph with form= instead, one of {FORMS}")
+        form = "tensorrt"
+    build = _BUILDERS[_check_form(form or _form.get())]
+    if build is _tensorrt_form:  # its node's schema
+        _require("onnx", "msda_core.onnx.translation_table(form='tensorrt')")
+    onnxscript = _require("onnxscript", "msda_core.onnx.translation_table")
+    graph = _ScriptGraph(getattr(onnxscript, f"opset{OPSET}"))
+    return {torch.ops.msda.deform_attn.default: lambda *args, **options: build(graph, *args)}
 
 
-def _level_starts(op, shapes, level_start_index, dtype):
-    """The level starts as given, else the exclusive cumulative sum of H_l * W_l, in ``dtype``."""
+@contextlib.contextmanager
+def export_form(form: str):
+    """The graph form ``torch.onnx.export(..., dynamo=False)`` emits for the op inside this block (in this thread),
+    and ``translation_table()``'s default.
+
+    Args:
+        form: ``"gather"`` (the default outside any block), ``"grid_sample"`` or ``"tensorrt"``.
+
+    Raises:
+        ValueError: an unknown form.
+
+    Example:
+        >>> import io, torch, msda_core
+        >>> class Attention(torch.nn.Module):
+        ...     def forward(self, value, shapes, loc, weights):
+        ...         return torch.ops.msda.deform_attn(value, shapes, None, loc, weights)
+        >>> shapes = torch.tensor([[2, 3]])  # one level of 2 x 3 pixels
+        >>> args = (torch.randn(1, 6, 2, 4), shapes, torch.rand(1, 5, 2, 1, 3, 2), torch.rand(1, 5, 2, 1, 3))
+        >>> with msda_core.onnx.export_form("grid_sample"):
+        ...     torch.onnx.export(Attention(), args, io.BytesIO(), dynamo=False)
+    """
+    token = _form.set(_check_form(form))
+    try:
+        yield
+    finally:
+        _form.reset(token)
+
+
+def exporting() -> bool:
+    """Whether one of torch's ONNX exporters is running; registers the TorchScript exporter's symbolic when one is.
+    Costs a dict lookup when torch.onnx was never imported (no export can run then)."""
+    if "torch.onnx" not in sys.modules or not torch.onnx.is_in_onnx_export():
+        return False
+    _register_symbolic()
+    return True
+
+
+@functools.cache
+def _register_symbolic():
+    """Registered at the first export rather than at import: importing torch.onnx costs 25-60 ms."""
+    torch.onnx.register_custom_op_symbolic("msda::deform_attn", _symbolic, MIN_OPSET)
+
+
+def _symbolic(g, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *options):
+    """The TorchScript exporter's translation: the form of the innermost export_form block (the options only pick
+    backends)."""
+    starts = None if level_start_index.node().mustBeNone() else level_start_index
+    return _BUILDERS[_form.get()](_TorchScriptGraph(g), value, spatial_shapes, starts, sampling_locations,
+                                  attention_weights)
+
+
+class _Graph:
+    """What a form builds with: ``op.Name(*inputs, **attributes)`` adds an ONNX node (Constant takes value_int,
+    value_ints or value_float) of opset ``opset``; ``dtype`` (an ONNX element type) and ``shape`` (ints, None where
+    dynamic) of a value; ``plugin`` adds TensorRT's node."""
+
+    op: object
+    opset: int
+
+    def dtype(self, x) -> int:
+        raise NotImplementedError
+
+    def shape(self, x) -> tuple:
+        raise NotImplementedError
+
+    def plugin(self, value, shapes, starts, locations, weights):
+        raise NotImplementedError
+
+
+class _ScriptGraph(_Graph):
+    """onnxscript's opset, traced by the dynamo exporter."""
+
+    def __init__(self, op):
+        self.op, self.opset = op, OPSET
+
+    def dtype(self, x) -> int:
+        return int(x.dtype)
+
+    def shape(self, x) -> tuple:
+        return tuple(d if isinstance(d, int) else None for d in x.shape)
+
+    def plugin(self, value, shapes, starts, locations, weights):
+        from onnxscript import values
+
+        node = getattr(values.Opset(TRT_DOMAIN, 1), _plugin_schema())
+        return node(value, shapes, starts, locations, weights, plugin_version="1")
+
+
+class _TorchScriptOps:
+    """``op.Name(...)`` as ``g.op("Name", ...)``, attributes suffixed with their kind as g.op wants them."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def Constant(self, value_int=None, value_ints=None, value_float=None):  # noqa: N802 (ONNX's name)
+        if value_float is not None:
+            return self.g.op("Constant", value_t=torch.tensor(value_float, dtype=torch.float32))
+        return self.g.op("Constant", value_t=torch.tensor(value_int if value_ints is None else value_ints))
+
+    def __getattr__(self, name):
+        def node(*inputs, **attributes):
+            kinds = {bool: "i", int: "i", float: "f", str: "s", list: "i", tuple: "i"}
+            return self.g.op(name, *inputs, **{f"{k}_{kinds[type(v)]}": v for k, v in attributes.items()})
+        return node
+
+
+class _TorchScriptGraph(_Graph):
+    """The TorchScript exporter's graph context."""
+
+    def __init__(self, g):
+        self.g, self.op, self.opset = g, _TorchScriptOps(g), g.opset
+
+    def dtype(self, x) -> int:
+        return _SCALAR_TYPES[x.type().scalarType()]
+
+    def shape(self, x) -> tuple:
+        return tuple(x.type().varyingSizes())
+
+    def plugin(self, value, shapes, starts, locations, weights):
+        return self.g.op(f"{TRT_DOMAIN}::MultiscaleDeformableAttnPlugin_TRT", value, shapes, starts, locations,
+                         weights, plugin_version_s="1")
+
+
+def _ints(graph, *values):
+    return graph.op.Constant(value_ints=list(values))
+
+
+def _scalar(graph, value):
+    return graph.op.Constant(value_float=value) if isinstance(value, float) else graph.op.Constant(value_int=value)
+
+
+def _cast(graph, x, dtype):
+    return x if graph.dtype(x) == dtype else graph.op.Cast(x, to=dtype)
+
+
+def _cast_back(graph, x, dtype, out_dtype):
+    """x, computed in ``dtype``, in ``out_dtype`` (an intermediate's dtype is not known to every exporter)."""
+    return x if dtype == out_dtype else graph.op.Cast(x, to=out_dtype)
+
+
+def _dims(graph, x, *axes):
+    """x's sizes along ``axes`` as a (len(axes),) int64 tensor, read at run time. (Shape's start and end would
+    do for consecutive axes, but the TorchScript exporter's shape inference crashes on some graphs with them.)"""
+    return graph.op.Gather(graph.op.Shape(x), _ints(graph, *axes), axis=0)
+
+
+def _levels_and_points(graph, sampling_locations):
+    L, P = graph.shape(sampling_locations)[3:5]
+    if L is None or P is None:
+        raise ValueError("sampling_locations: ONNX export needs static levels and points (dims 3 and 4 of "
+                         f"(B, Q, M, L, P, 2)), got shape {graph.shape(sampling_locations)}")
+    return L, P
+
+
+def _level_tables(graph, spatial_shapes, level_start_index, dtype):
+    """(L, 2) sizes and (L,) starts in ``dtype``: the starts as given, else the exclusive cumulative sum of H * W."""
+    op = graph.op
+    shapes = _cast(graph, spatial_shapes, dtype)
     if level_start_index is not None:
-        return _cast(op, level_start_index, dtype)
-    sizes = op.ReduceProd(shapes, _ints(op, 1), keepdims=0)
-    return op.Sub(op.CumSum(sizes, op.Constant(value_int=0)), sizes)
+        return shapes, _cast(graph, level_start_index, dtype)
+    sizes = op.Mul(op.Gather(shapes, _scalar(graph, 0), axis=1), op.Gather(shapes, _scalar(graph, 1), axis=1))
+    return shapes, op.Sub(op.CumSum(sizes, _scalar(graph, 0)), sizes)
 
 
-def _standard_ops(op, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    from onnxscript import ir
+def _compute_dtype(graph, value, sampling_locations):
+    return DOUBLE if DOUBLE in (graph.dtype(value), graph.dtype(sampling_locations)) else FLOAT
 
-    f32 = ir.DataType.FLOAT
-    out_dtype = value.dtype
-    value, locations, weights = (_cast(op, x, f32) for x in (value, sampling_locations, attention_weights))
-    shapes = _cast(op, spatial_shapes, ir.DataType.INT64)
-    starts = _level_starts(op, shapes, level_start_index, ir.DataType.INT64)
-    batch, heads, dim = (op.Shape(value, start=i, end=i + 1) for i in (0, 2, 3))
-    queries, points = (op.Shape(locations, start=i, end=i + 1) for i in (1, 4))
+
+def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """msda_core.export.deform_attn_gather, node for node."""
+    op = graph.op
+    L, P = _levels_and_points(graph, sampling_locations)
+    LP = L * P
+    out_dtype, dtype = graph.dtype(value), _compute_dtype(graph, value, sampling_locations)
+    value, locations, weights = (_cast(graph, x, dtype) for x in (value, sampling_locations, attention_weights))
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
+    batch, pixels, heads, dim = (_dims(graph, value, axis) for axis in range(4))
+    rows = op.Reshape(op.Pad(value, _ints(graph, 0, 0, 0, 0, 0, 1, 0, 0)),  # row S of each image: zeros
+                      op.Concat(_ints(graph, -1), dim, axis=0))
+    sample_level = _ints(graph, *(level for level in range(L) for _ in range(P)))  # (L*P,)
+    size = op.Gather(shapes, sample_level, axis=0)  # (L*P, 2)
+    height, width = (op.Gather(size, _scalar(graph, axis), axis=1) for axis in (0, 1))
+    start = op.Gather(starts, sample_level, axis=0)
+    zero_row = op.Squeeze(pixels, _ints(graph, 0))  # S, the appended row's index
+    first_row = op.Add(  # (B, 1, M, 1): b * (S + 1) * M + m
+        op.Reshape(op.Mul(op.Range(_scalar(graph, 0), op.Squeeze(batch, _ints(graph, 0)), _scalar(graph, 1)),
+                          op.Mul(op.Add(pixels, _ints(graph, 1)), heads)), _ints(graph, -1, 1, 1, 1)),
+        op.Reshape(op.Range(_scalar(graph, 0), op.Squeeze(heads, _ints(graph, 0)), _scalar(graph, 1)),
+                   _ints(graph, 1, 1, -1, 1)))
+    batch_queries_heads = _dims(graph, locations, 0, 1, 2)
+    locations = op.Reshape(locations, op.Concat(batch_queries_heads, _ints(graph, LP, 2), axis=0))  # rank 5
+    weights = op.Reshape(weights, op.Concat(batch_queries_heads, _ints(graph, LP), axis=0))
+    half, one = (op.Cast(_scalar(graph, v), to=dtype) for v in (0.5, 1.0))
+    x, y = (op.Sub(op.Mul(op.Gather(locations, _scalar(graph, axis), axis=4), op.Cast(length, to=dtype)), half)
+            for axis, length in ((0, width), (1, height)))
+    x0, y0 = op.Floor(x), op.Floor(y)
+    fx, fy = op.Sub(x, x0), op.Sub(y, y0)
+    width_f, height_f, minus_one, zero = (op.Cast(v, to=dtype) for v in (width, height, _scalar(graph, -1),
+                                                                             _scalar(graph, 0)))
+    out = None
+    for dy in (0, 1):
+        for dx in (0, 1):
+            cx, cy = (op.Add(c0, one) if d else c0 for c0, d in ((x0, dx), (y0, dy)))
+            # > -1 and < W rather than >= 0 and <= W - 1: a NaN compares False either way, so it is off the map
+            on_map = op.And(op.And(op.Greater(cx, minus_one), op.Less(cx, width_f)),
+                            op.And(op.Greater(cy, minus_one), op.Less(cy, height_f)))
+            col, row = (op.Cast(op.Where(on_map, c, zero), to=INT64) for c in (cx, cy))
+            pixel = op.Where(on_map, op.Add(start, op.Add(op.Mul(row, width), col)), zero_row)
+            pixel = op.Min(op.Max(pixel, _scalar(graph, 0)), zero_row)  # a wrong table: still this image
+            taps = op.Gather(rows, op.Add(op.Mul(pixel, heads), first_row), axis=0)  # (B, Q, M, L*P, D)
+            w = op.Mul(op.Mul(weights, op.Sub(one, fy) if not dy else fy), op.Sub(one, fx) if not dx else fx)
+            term = op.ReduceSum(op.Mul(taps, op.Unsqueeze(w, _ints(graph, -1))), _ints(graph, 3), keepdims=0)
+            out = term if out is None else op.Add(out, term)
+    out = op.Reshape(out, op.Concat(_dims(graph, locations, 0, 1), _ints(graph, -1), axis=0))
+    return _cast_back(graph, out, dtype, out_dtype)
+
+
+def _grid_sample_form(graph, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    op = graph.op
+    L, _ = _levels_and_points(graph, sampling_locations)
+    out_dtype, dtype = graph.dtype(value), _compute_dtype(graph, value, sampling_locations)
+    if dtype == DOUBLE:
+        raise TypeError("value: the grid_sample form computes in float32 (GridSample below opset 20 takes float "
+                        "only), got float64 inputs; export with form='gather' instead")
+    value, locations, weights = (_cast(graph, x, FLOAT) for x in (value, sampling_locations, attention_weights))
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
+    batch, heads, dim = (_dims(graph, value, axis) for axis in (0, 2, 3))
+    queries, points = (_dims(graph, locations, axis) for axis in (1, 4))
     rows = op.Mul(batch, heads)  # grid_sample's batch: one (b, m) per image
     value = op.Transpose(value, perm=[0, 2, 3, 1])  # (B, M, D, S)
     # 2 * loc - 1, clipped to +-3, far outside any map: the same zeros, and no huge coordinate reaches GridSample
-    grid = op.Clip(op.Sub(op.Mul(locations, op.Constant(value_float=2.0)), op.Constant(value_float=1.0)),
-                   op.Constant(value_float=-3.0), op.Constant(value_float=3.0))
-    grid = op.Transpose(grid, perm=[0, 2, 3, 1, 4, 5])  # (B, M, L, Q, P, 2)
-    weights = op.Transpose(weights, perm=[0, 2, 3, 1, 4])  # (B, M, L, Q, P)
+    grid = op.Clip(op.Sub(op.Mul(locations, _scalar(graph, 2.0)), _scalar(graph, 1.0)),
+                   _scalar(graph, -3.0), _scalar(graph, 3.0))
+    grid = op.Reshape(op.Transpose(grid, perm=[0, 2, 3, 1, 4, 5]),  # (B*M, L, Q, P*2): rank 4
+                      op.Concat(rows, _ints(graph, L), queries, op.Mul(points, _ints(graph, 2)), axis=0))
+    weights = op.Reshape(op.Transpose(weights, perm=[0, 2, 3, 1, 4]),  # (B*M, L, 1, Q, P)
+                         op.Concat(rows, _ints(graph, L, 1), queries, points, axis=0))
     total = None
-    for level in range(sampling_locations.shape[3]):
-        size = op.Gather(shapes, op.Constant(value_int=level), axis=0)  # (2,): H, W
-        start = op.Gather(starts, _ints(op, level), axis=0)  # (1,)
-        end = op.Add(start, op.ReduceProd(size, keepdims=1))
-        value_l = op.Reshape(op.Slice(value, start, end, _ints(op, 3)), op.Concat(rows, dim, size, axis=0))
-        grid_l = op.Reshape(op.Gather(grid, op.Constant(value_int=level), axis=2),
-                            op.Concat(rows, queries, points, _ints(op, 2), axis=0))
-        sampled = op.GridSample(value_l, grid_l, align_corners=0, mode="bilinear", padding_mode="zeros")
-        weights_l = op.Reshape(op.Gather(weights, op.Constant(value_int=level), axis=2),
-                               op.Concat(rows, _ints(op, 1), queries, points, axis=0))
-        term = op.ReduceSum(op.Mul(sampled, weights_l), _ints(op, 3), keepdims=0)  # (B*M, D, Q)
+    for level in range(L):
+        size = op.Gather(shapes, _scalar(graph, level), axis=0)  # (2,): H, W
+        start = op.Gather(starts, _ints(graph, level), axis=0)  # (1,)
+        end = op.Add(start, op.Mul(op.Gather(size, _ints(graph, 0), axis=0), op.Gather(size, _ints(graph, 1), axis=0)))
+        value_l = op.Reshape(op.Slice(value, start, end, _ints(graph, 3)), op.Concat(rows, dim, size, axis=0))
+        grid_l = op.Reshape(op.Gather(grid, _scalar(graph, level), axis=1),
+                            op.Concat(rows, queries, points, _ints(graph, 2), axis=0))
+        sampled = op.GridSample(value_l, grid_l, align_corners=0, mode="linear" if graph.opset >= 20 else "bilinear",
+                                padding_mode="zeros")
+        weights_l = op.Gather(weights, _scalar(graph, level), axis=1)  # (B*M, 1, Q, P)
+        term = op.ReduceSum(op.Mul(sampled, weights_l), _ints(graph, 3), keepdims=0)  # (B*M, D, Q)
         total = term if total is None else op.Add(total, term)
     out = op.Transpose(op.Reshape(total, op.Concat(batch, heads, dim, queries, axis=0)), perm=[0, 3, 1, 2])
-    return _cast(op, op.Reshape(out, op.Concat(batch, queries, _ints(op, -1), axis=0)), out_dtype)
+    return _cast_back(graph, op.Reshape(out, op.Concat(batch, queries, _ints(graph, -1), axis=0)), FLOAT, out_dtype)
 
 
 def _plugin_schema():
-    """The plugin's inputs and output as an ONNX schema, registered once: the exporter builds nodes from schemas,
-    and the checker and shape inference then know the node (its output takes value's type)."""
+    """The plugin's inputs and output as an ONNX schema, registered once: the dynamo exporter builds nodes from
+    schemas, and the checker and shape inference then know the node (its output takes value's type)."""
     import onnx
 
     name = "MultiscaleDeformableAttnPlugin_TRT"
@@ -105,16 +378,16 @@ def _plugin_schema():
     return name
 
 
-def _tensorrt_node(op, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    from onnxscript import ir, values
+def _tensorrt_form(graph, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    dtype = graph.dtype(value)
+    if dtype not in (FLOAT, FLOAT16):
+        raise TypeError(f"value: TensorRT's MultiscaleDeformableAttnPlugin_TRT takes float32 or float16, got ONNX "
+                        f"element type {dtype}; export with form='gather' (standard ops) instead")
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT32)
+    locations, weights = (_cast(graph, x, dtype) for x in (sampling_locations, attention_weights))
+    out = graph.plugin(value, shapes, starts, locations, weights)
+    return graph.op.Reshape(out, graph.op.Concat(_dims(graph, locations, 0, 1), _ints(graph, -1),
+                                                 axis=0))
 
-    if value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-        raise TypeError(f"value: TensorRT's MultiscaleDeformableAttnPlugin_TRT takes float32 or float16, got "
-                        f"{value.dtype}; export with plugin=None (standard ops) instead")
-    i32 = ir.DataType.INT32
-    shapes = _cast(op, spatial_shapes, i32)
-    starts = _level_starts(op, shapes, level_start_index, i32)
-    locations, weights = (_cast(op, x, value.dtype) for x in (sampling_locations, attention_weights))
-    plugin = getattr(values.Opset(TRT_DOMAIN, 1), _plugin_schema())
-    out = plugin(value, shapes, starts, locations, weights, plugin_version="1")
-    return op.Reshape(out, op.Concat(op.Shape(locations, start=0, end=2), _ints(op, -1), axis=0))
+
+_BUILDERS = {"gather": _gather_form, "grid_sample": _grid_sample_form, "tensorrt": _tensorrt_form}
