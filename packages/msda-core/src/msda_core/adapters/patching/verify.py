@@ -59,6 +59,8 @@ def skip_reason(args, kwargs) -> str | None:
     if not tensors or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
                           for t in tensors):
         return "not plain tensors"  # fake, meta or subclassed tensors: nothing to compare
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture"  # the comparison reads a number back, which a capture forbids
     return None
 
 
