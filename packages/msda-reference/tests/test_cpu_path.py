@@ -113,6 +113,39 @@ def test_nonfinite_value_off_the_map_changes_nothing(bad):
     _assert_same_everywhere(results, ("output", "grad_sampling_locations", "grad_attention_weights"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_sampled_infinite_pixels_give_what_naive_gives(dtype):
+    """README, "Non-finite inputs": a sampled +-inf pixel gives +-inf where naive does (weight times inf), NaN where
+    it does (a zero weight on the map, or +inf and -inf in one sum). The half gather split each tap's weight into a
+    half part and a half rest: a rest of 0 or of the other sign made NaN of every +-inf."""
+    inputs = kit.infinite_pixel_inputs(dtype)
+    results = _all_results(inputs, kit.grad_output_for(inputs))
+    rows = results["naive"]["output"].view(6, -1)  # (q, m*d)
+    assert rows[:3].isposinf().all() and rows[3].isneginf().all() and rows[4:].isnan().all()
+    for backend, result in results.items():
+        for name in ("output", "grad_sampling_locations", "grad_attention_weights"):
+            kit.assert_close(f"{backend} {name}", result[name], results["naive"][name],
+                             kit.tolerance(result[name].dtype, "gradient"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_half_weight_parts_have_the_weights_sign_and_sum_to_it(dtype):
+    """gather sums a half value with each fp32 weight as two half parts (gather._split): both of the weight's sign and
+    nonzero (+-inf pixels stay +-inf), their sum within the bound its docstring gives, for weights on the half's grid
+    (whose rest is 0 when rounded to nearest), off it, of either sign and of every magnitude."""
+    g = torch.Generator().manual_seed(0)
+    magnitude = torch.exp2(torch.empty(100_000, dtype=torch.float64).uniform_(-22, 16, generator=g))
+    weights = (magnitude * (torch.randint(0, 2, magnitude.shape, generator=g) * 2 - 1)).float()
+    weights = torch.cat((weights, weights.to(dtype).float(), torch.tensor([1.0, -0.5, 0.0, -0.0])))
+    weights = weights[weights.abs() < 65504]
+    high, low = gather._split(weights.clone().view(1, -1), dtype).double()[0]
+    w = weights.double()
+    for part in (high, low):
+        assert torch.equal(part.sign(), w.sign())
+    bound = 2.0 ** -15 * w.abs() if dtype == torch.bfloat16 else 2.0 ** -21 * w.abs() + 2.0 ** -24
+    assert ((high + low - w).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_nonfinite_weights_give_a_nan_row_everywhere(dtype):
     """docs/math.md, "Non-finite inputs": an inf or NaN attention weight makes its output row (b, q, m) NaN, on the

@@ -80,6 +80,16 @@ def test_nonfinite_value_off_the_map_changes_nothing(bad):
     _assert_as_naive(inputs, ("output", "grad_sampling_locations", "grad_attention_weights"), grad=True)
 
 
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on inf
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sampled_infinite_pixels_give_what_naive_gives(dtype):
+    """README, "Non-finite inputs": +-inf where naive gives +-inf, NaN where it gives NaN (infinite_pixel_inputs)."""
+    inputs = kit.infinite_pixel_inputs(dtype)
+    expected = _assert_as_naive(inputs, ("output", "grad_sampling_locations", "grad_attention_weights"), grad=True)
+    assert expected["output"].view(6, -1)[:3].isposinf().all()
+
+
 def test_the_entry_point_is_lazy_and_agrees_with_the_backend():
     """The entry point names msda_triton.BACKEND, a LazyBackend whose auto_devices and priority are the real
     backend's; importing msda_triton itself imports neither torch's Inductor nor Triton."""

@@ -22,6 +22,7 @@ all of it. Every corner row lies within value's rows of its own (b, m), whatever
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -179,14 +180,40 @@ def _forward(value, spatial_shapes, level_start_index, sampling_locations, atten
 def _bags(rows, table, weights):
     """(R, D): row r's sum of weights[r, t] * table[rows[r, t]], accumulated in fp32 by embedding_bag and rounded
     once to the table's dtype. A half table is summed in place, never converted (a copy of value would cost 40%
-    of a decoder call): each fp32 weight is split into its half value and the half of the rest, and each tap
-    enters the bag twice, once with each, so the sum is still one sum. The rest's own rounding (2^-18 of the
-    weight in bf16, 2^-22 in fp16) is below the fp32 sum's. fp16 weights overflow past 65504."""
+    of a decoder call): each weight is split into two half parts (``_split``) and each tap enters the bag twice,
+    once with each, so the sum is still one sum."""
     if weights.dtype == table.dtype:
         return F.embedding_bag(rows, table, mode="sum", per_sample_weights=weights)
-    high = weights.to(table.dtype)
-    low = weights.sub(high).to(table.dtype)
-    return F.embedding_bag(torch.cat((rows, rows), 1), table, mode="sum", per_sample_weights=torch.cat((high, low), 1))
+    return F.embedding_bag(torch.cat((rows, rows), 1), table, mode="sum",
+                           per_sample_weights=_split(weights, table.dtype).flatten(1))
+
+
+def _split(weights, dtype):
+    """(R, 2, T) in the half ``dtype``, overwriting ``weights`` (R, T), fp32 or fp64: the parts (high, low) of each
+    weight w, high + low = w. Both have w's sign and neither is 0 unless w is, so that a sampled +-inf pixel gives
+    w * inf as in fp32, where a part of 0 or of the other sign gives NaN (0 * inf, inf - inf).
+
+    high is w with the bits below the half's mantissa cleared, from a magnitude just below |w| (times 1 - 2^-22), so
+    that the rest, low, is never 0; in fp16 also less 2^-23, so that low is never below fp16's least subnormal
+    either. The sum of the parts is off by at most 2^-15 of w in bf16, 2^-21 of w plus 2^-24 (the spacing of fp16's
+    subnormals) in fp16: twice the error of a rest from the nearest half, which may have the other sign, and far
+    below the output's rounding. fp16 weights below 2^-23 have a high part of 0, and overflow past 65504.
+    Plain passes over contiguous memory: comparisons, ``where``, mixed dtypes and broadcasts cost several times as
+    much here."""
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64}[weights.dtype]
+    dropped = round(math.log2(torch.finfo(dtype).eps / torch.finfo(weights.dtype).eps))  # mantissa bits
+    below = 1 - 2.0 ** -22
+    if dtype == torch.float16:
+        high = weights.abs().mul_(below).sub_(2.0 ** -23).clamp_(min=0)
+        high.view(bits).bitwise_and_(-1 << dropped)
+        high.copysign_(weights)
+    else:  # bf16's exponents are fp32's: no floor, and the sign bit stays as it is
+        high = weights.mul(below)
+        high.view(bits).bitwise_and_(-1 << dropped)
+    low = weights.sub_(high)
+    parts = high.new_empty((high.shape[0], 2, high.shape[1]), dtype=dtype)
+    parts[:, 0], parts[:, 1] = high, low
+    return parts
 
 
 def backward(grad_output, inputs, grad_accum, deterministic):

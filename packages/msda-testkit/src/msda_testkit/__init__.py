@@ -15,6 +15,7 @@ from .cases import (
     Case,
     case,
     grad_output_for,
+    infinite_pixel_inputs,
     make_inputs,
     upcast,
     with_head_dim,
@@ -31,5 +32,6 @@ __all__ = [
     "ARGUMENTS", "DETR_LEVELS", "DIFFERENTIABLE", "EDGE_CASES", "GRADCHECK_HEAD_DIMS", "GRAD_NAMES", "SMALL_CASES",
     "STANDARD_CASES", "TOLERANCES", "Case", "Comparison", "Tolerance", "assert_close", "assert_parity",
     "assert_replays_bit_exact", "case", "check_parity", "compare", "compare_results", "deploy", "grad_output_for",
-    "grad_value_effect", "make_inputs", "mmcv_pytorch", "reference", "run", "tolerance", "upcast", "with_head_dim",
+    "grad_value_effect", "infinite_pixel_inputs", "make_inputs", "mmcv_pytorch", "reference", "run", "tolerance",
+    "upcast", "with_head_dim",
 ]

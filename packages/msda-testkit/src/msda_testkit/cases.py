@@ -198,3 +198,31 @@ def upcast(inputs: dict, dtype=torch.float64, device=None) -> dict:
             v = v.to(dtype)
         out[k] = v.to(device) if (v is not None and device is not None) else v
     return out
+
+
+def infinite_pixel_inputs(dtype=torch.float32) -> dict:
+    """Keyword arguments for msda.deform_attn whose samples read +-inf pixels of ``value`` (README, "Non-finite
+    inputs"): of the six queries (one level of 4x4, two heads of 4 channels, two points), the output rows of queries
+    0-2 are +inf (a weight times +inf: at a pixel centre, between four pixels with weights 1/4, at weights exact in no
+    dtype), query 3's -inf (negative attention weights), queries 4 and 5 NaN (a zero attention weight on an inf;
+    -inf + inf). Half ``dtype`` comes with fp32 locations and weights."""
+    g = torch.Generator().manual_seed(0)
+    location_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    value = torch.randn(1, 16, 2, 4, generator=g, dtype=torch.float64)
+    value[:, [0, 5]] = math.inf  # pixels (0, 0) and (1, 1), (y, x)
+    value[:, 15] = -math.inf  # pixel (3, 3)
+    centre = [[(x + 0.5) / 4, (y + 0.5) / 4] for y, x in ((1, 1), (0, 2), (3, 3))]  # bilinear weights 1 and 0
+    locations = torch.tensor([
+        [centre[0], centre[1]],  # +inf: weight 1 on pixel (1, 1), the corners of weight 0 finite
+        [[0.25, 0.25], [0.25, 0.25]],  # between (0, 0), (0, 1), (1, 0), (1, 1): weights 1/4
+        [[1 / 3, 1 / 3], centre[1]],
+        [centre[0], centre[1]],  # -inf with negative attention weights
+        [centre[0], centre[1]],  # NaN: a zero attention weight on an inf
+        [centre[2], centre[0]],  # NaN: -inf + inf
+    ], dtype=torch.float64)[None, :, None, None].expand(1, 6, 2, 1, 2, 2)
+    weights = torch.rand(1, 6, 2, 1, 2, generator=g, dtype=torch.float64) + 0.1
+    weights[:, 3] = -weights[:, 3]
+    weights[:, 4, :, 0, 0] = 0.0
+    return {"value": value.to(dtype), "spatial_shapes": torch.tensor([(4, 4)]), "level_start_index": None,
+            "sampling_locations": locations.to(location_dtype).contiguous(),
+            "attention_weights": weights.to(location_dtype)}
