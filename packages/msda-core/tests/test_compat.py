@@ -253,3 +253,44 @@ def test_extension_shim_never_shadows_a_real_module(tmp_path, monkeypatch, clean
     monkeypatch.syspath_prepend(str(tmp_path))
     assert compat.install_extension_shim(detrex=True) == []
     assert "detrex" not in sys.modules  # looked up, not imported
+
+
+def _mmcv_backward_call():
+    """The arguments of mmcv._ext's ms_deform_attn_backward, its three gradient buffers zeros like their inputs."""
+    inputs = {k: (v.detach() if v is not None else None) for k, v in _inputs().items()}
+    grad_output = kit.grad_output_for(inputs)
+    buffers = {"grad_value": torch.zeros_like(inputs["value"]),
+               "grad_sampling_loc": torch.zeros_like(inputs["sampling_locations"]),
+               "grad_attn_weight": torch.zeros_like(inputs["attention_weights"])}
+    return inputs, grad_output, buffers
+
+
+def test_mmcv_stand_in_backward_fills_the_buffers_it_is_given():
+    inputs, grad_output, buffers = _mmcv_backward_call()
+    assert shims._mmcv_ms_deform_attn_backward(*(inputs[arg] for arg in kit.ARGUMENTS), grad_output,
+                                               *buffers.values(), 64) is None
+    expected = msda_core.deform_attn_backward(grad_output, *(inputs[arg] for arg in kit.ARGUMENTS))
+    for (name, buffer), grad in zip(buffers.items(), expected):
+        assert torch.equal(buffer, grad), name
+
+
+BUFFER_DEFECTS = {  # how a buffer differs from its input, and what the error must say
+    "int64": (lambda b: b.to(torch.int64), TypeError, "dtype torch.float64 .*, got torch.int64"),
+    "extra leading dim": (lambda b: b[None], ValueError, r"shape \(2, .*\) .*, got \(1, 2, .*\)"),
+    "meta": (lambda b: b.to("meta"), ValueError, "device cpu .*, got meta"),
+}
+
+
+@pytest.mark.parametrize("defect", BUFFER_DEFECTS)
+@pytest.mark.parametrize("buffer", ["grad_value", "grad_sampling_loc", "grad_attn_weight"])
+def test_mmcv_stand_in_backward_refuses_a_buffer_unlike_its_input(buffer, defect):
+    """mmcv's backward writes into its caller's buffers: one of another dtype truncated the gradients, one with more
+    leading dims was broadcast into, a meta one received nothing, all silently. Each is refused, naming the buffer,
+    before anything is written."""
+    inputs, grad_output, buffers = _mmcv_backward_call()
+    change, error, message = BUFFER_DEFECTS[defect]
+    buffers[buffer] = change(buffers[buffer])
+    with pytest.raises(error, match=f"^{buffer}: expected {message}"):
+        shims._mmcv_ms_deform_attn_backward(*(inputs[arg] for arg in kit.ARGUMENTS), grad_output, *buffers.values(),
+                                            64)
+    assert all(b.device.type == "meta" or not b.any() for b in buffers.values())

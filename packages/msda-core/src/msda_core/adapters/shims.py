@@ -34,10 +34,23 @@ def _ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_
 def _mmcv_ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                   attention_weights, grad_output, grad_value, grad_sampling_loc, grad_attn_weight,
                                   im2col_step):
-    """mmcv's backward: overwrites the three gradient tensors its caller allocated (zeros), returns None."""
+    """mmcv's backward: overwrites the three gradient tensors its caller allocated (zeros like value,
+    sampling_locations and attention_weights), returns None. A buffer of another shape, dtype or device is refused
+    (ValueError, TypeError) before anything runs: copied into, it would be broadcast, truncated or left as it was."""
+    buffers = {"grad_value": (grad_value, value, "value"),
+               "grad_sampling_loc": (grad_sampling_loc, sampling_locations, "sampling_locations"),
+               "grad_attn_weight": (grad_attn_weight, attention_weights, "attention_weights")}
+    for name, (buffer, like, like_name) in buffers.items():
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor like {like_name}, got {type(buffer).__name__}")
+        for what, expected, actual in (("shape", tuple(like.shape), tuple(buffer.shape)),
+                                       ("dtype", like.dtype, buffer.dtype), ("device", like.device, buffer.device)):
+            if actual != expected:
+                raise (TypeError if what == "dtype" else ValueError)(
+                    f"{name}: expected {what} {expected} (the {what} of {like_name}), got {actual}")
     grads = _ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                      attention_weights, grad_output, im2col_step)
-    for buffer, grad in zip((grad_value, grad_sampling_loc, grad_attn_weight), grads):
+    for (buffer, _, _), grad in zip(buffers.values(), grads):
         buffer.copy_(grad)
 
 
