@@ -18,11 +18,13 @@ Recipe: to recognise a new family
 1. Find what its forward calls: the name it loads (a global), the attribute it calls (per instance), or its
    child module's class. Write down the original's parameters (names, order, defaults) and the layouts of
    ``value``, the locations and the weights it takes and returns.
-2. If the parameters are those of a check in ``FORMS``, only the name is new: add it to ``GLOBAL_NAMES`` (or, for
-   a new attribute name, beside ``CORE_ATTRIBUTE``). Otherwise add a drop-in with that signature plus
-   ``backend=`` to ``compat`` (the conversion to ``compat.run_op``'s layout, nothing else), and a check here
-   whose parameters are the original's (names and defaults: those are what ``form`` compares) and which returns
-   why msda cannot serve one call (a layout msda does not take) or None; pair them in ``FORMS``.
+2. If the parameters are those of a check in ``FORMS``, only the name is new: add it to ``GLOBAL_NAMES`` (a new
+   attribute name or child class also needs its test in the package's ``_patch_attribute`` or
+   ``_patch_children``, which read ``CORE_ATTRIBUTE`` and ``is_transformers_core``). Otherwise add a drop-in with
+   that signature plus ``backend=`` to ``compat`` (the conversion to ``compat.run_op``'s layout, nothing else),
+   and a check here whose parameters are the original's (names and defaults: those are what ``form`` compares)
+   and which returns why msda cannot serve one call (a layout msda does not take) or None; pair them in
+   ``FORMS``.
 3. Add the test: in ``packages/msda-core/tests/test_patch.py`` (or ``integrations/test_patterns.py`` for a
    codebase not on PyPI) a module of your own with the family's signature, layout and call, written from the
    op's definition: patched equals unpatched in float64 (outputs and gradients), its site reported verified; if
