@@ -216,11 +216,14 @@ class _DeformableDetrFunction(torch.autograd.Function):
 
 @pytest.fixture
 def clean_modules():
-    """Leave sys.modules as it was: the shim registers names for the whole process."""
-    before = dict(sys.modules)
+    """Leave sys.modules as it was: the shim registers names for the whole process (and its finder, for packages
+    not imported yet)."""
+    before, pending = dict(sys.modules), dict(shims._FINDER.modules)
     yield
     for name in set(sys.modules) - set(before):
         del sys.modules[name]
+    shims._FINDER.modules.clear()
+    shims._FINDER.modules.update(pending)
 
 
 def test_extension_shim_runs_deformable_detr_code_unmodified(clean_modules):
@@ -294,3 +297,35 @@ def test_mmcv_stand_in_backward_refuses_a_buffer_unlike_its_input(buffer, defect
         shims._mmcv_ms_deform_attn_backward(*(inputs[arg] for arg in kit.ARGUMENTS), grad_output, *buffers.values(),
                                             64)
     assert all(b.device.type == "meta" or not b.any() for b in buffers.values())
+
+
+@pytest.mark.parametrize("error", ["OSError('libcudart.so.12: cannot open shared object file')",
+                                   "RuntimeError('The NVIDIA driver on your system is too old')",
+                                   "AttributeError('module torch has no attribute _six')"])
+def test_extension_shim_replaces_a_build_whose_import_fails_in_any_way(error, tmp_path, monkeypatch, clean_modules):
+    """A compiled extension's import fails with more than ImportError: ctypes loading a missing CUDA library
+    (OSError), a driver too old (RuntimeError), an API the build's torch had (AttributeError). install_extension_shim
+    raised them; each is a broken build: warned, naming its error, and stood in for."""
+    (tmp_path / "MultiScaleDeformableAttention.py").write_text(f"raise {error}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="MultiScaleDeformableAttention is installed but does not import "
+                                            f"\\({error.partition('(')[0]}: "):
+        assert compat.install_extension_shim() == ["MultiScaleDeformableAttention"]
+    import MultiScaleDeformableAttention as MSDA
+    assert MSDA.ms_deform_attn_forward is shims._ms_deform_attn_forward
+
+
+@pytest.mark.parametrize("parent", ["imported before", "imported after"])
+def test_extension_shim_binds_the_package_attribute(parent, tmp_path, monkeypatch, clean_modules):
+    """``import groundingdino._C`` then ``groundingdino._C``: the attribute was never set (AttributeError), whether
+    the package was imported before install_extension_shim or after it."""
+    (tmp_path / "groundingdino").mkdir()
+    (tmp_path / "groundingdino" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if parent == "imported before":
+        import groundingdino
+    assert compat.install_extension_shim(groundingdino=True) == ["MultiScaleDeformableAttention", "groundingdino._C"]
+    assert compat.install_extension_shim(groundingdino=True) == []  # present now: left as it is
+    import groundingdino._C
+    assert groundingdino._C is sys.modules["groundingdino._C"] is sys.modules["MultiScaleDeformableAttention"]
+    assert groundingdino._C.ms_deform_attn_forward is shims._ms_deform_attn_forward

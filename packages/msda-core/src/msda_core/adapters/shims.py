@@ -1,10 +1,11 @@
 """Stand-ins for the compiled extensions existing code imports: Deformable DETR's ``MultiScaleDeformableAttention``
-module (also ``detrex._C`` and ``groundingdino._C``) and ``mmcv._ext``, registered in ``sys.modules`` by
-``install_extension_shim`` where no working build imports. Each runs ``torch.ops.msda.deform_attn``.
+module (also ``detrex._C`` and ``groundingdino._C``) and ``mmcv._ext``, registered by ``install_extension_shim``
+where no working build imports. Each runs ``torch.ops.msda.deform_attn``.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
@@ -81,12 +82,12 @@ def _stand_in(name: str, **functions) -> types.ModuleType:
 
 
 def _missing(name: str) -> bool:
-    """No module of that name imports: none is installed, or one is and its import fails (a compiled extension
-    built for another torch or CUDA: ``undefined symbol``, ``libcudart.so.12: cannot open shared object file``),
-    which is warned with its error. False where the package above it is not installed (nothing to shim) or the
-    module is already imported. A submodule is loaded from its file without importing its package (detrex's
-    __init__ itself imports detrex._C)."""
-    if name in sys.modules:
+    """No module of that name imports: none is installed, or one is and its import fails in any way (a compiled
+    extension built for another torch or CUDA: ``undefined symbol``, ``libcudart.so.12: cannot open shared object
+    file`` from a ctypes load, a driver too old), which is warned with its error. False where the package above it
+    is not installed (nothing to shim) or the module is already imported or stood in for. A submodule is loaded from
+    its file without importing its package (detrex's __init__ itself imports detrex._C)."""
+    if name in sys.modules or name in _FINDER.modules:
         return False
     parent = name.rpartition(".")[0]
     if parent:
@@ -103,11 +104,48 @@ def _missing(name: str) -> bool:
         return False
     try:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    except ImportError as error:
+    except Exception as error:  # whatever a broken build raises is a broken build
         warnings.warn(f"{name} is installed but does not import ({type(error).__name__}: {error}); msda's "
                       "stand-in takes its place", RuntimeWarning, stacklevel=3)
         return True
     return False
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the stand-in of a submodule whose package is not imported yet (``groundingdino._C``) when it is first
+    imported, ahead of the real (broken) file: the import system then also sets the package's attribute, which a
+    module put in sys.modules beforehand never gets. Each name once: after that it is in sys.modules."""
+
+    def __init__(self):
+        self.modules: dict = {}  # name -> stand-in not imported yet
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.modules:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        return self.modules.pop(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+_FINDER = _StandInFinder()
+
+
+def _register(name: str, module: types.ModuleType) -> None:
+    """``module`` as ``name``: in sys.modules, and as its package's attribute, at once where the package is
+    imported, else when it is (through _FINDER)."""
+    parent, _, child = name.rpartition(".")
+    if not parent or parent in sys.modules:
+        sys.modules[name] = module
+        if parent:
+            setattr(sys.modules[parent], child, module)
+        return
+    _FINDER.modules[name] = module
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
 
 
 def _check_mmcv_ops_not_imported() -> None:
@@ -124,16 +162,44 @@ def _check_mmcv_ops_not_imported() -> None:
 
 
 def install_extension_shim(*, detrex: bool = False, groundingdino: bool = False, mmcv: bool = False) -> list:
-    """Register, in ``sys.modules``, msda as the compiled extension that Deformable DETR, Mask2Former and their
-    forks import as ``MultiScaleDeformableAttention`` (``ms_deform_attn_forward``, ``ms_deform_attn_backward``),
-    so their code runs unmodified with nothing compiled. ``detrex=True`` and ``groundingdino=True`` also register
-    ``detrex._C`` (not its DCNv3 functions) and ``groundingdino._C``, the same two functions, when that package is
-    installed; call this before importing it. ``mmcv=True`` registers ``mmcv._ext`` with mmcv's signatures (the
-    backward fills the gradient tensors it is given); every other op mmcv.ops asks for is there and raises
-    NotImplementedError when called; its two build-info queries answer "n/a" (mmcv.utils.collect_env, which
-    BEVFormer-era training scripts call, expects strings). Call it before ``import mmcv.ops`` (RuntimeError
-    otherwise). Only where no module imports (none installed, or a broken build: warned); returns the names
-    registered. Opt-in: importing msda does not do it."""
+    """Register msda as the compiled extensions that existing code imports, where none imports, so that code runs
+    unmodified with nothing compiled.
+
+    Always ``MultiScaleDeformableAttention``, the module Deformable DETR, Mask2Former and their forks build
+    (``ms_deform_attn_forward``, ``ms_deform_attn_backward``). A name is registered only where no module of it
+    imports: none is installed, or one is and its import fails in any way (a build for another torch, CUDA or
+    driver: ImportError, OSError from a ctypes load, RuntimeError, ...), which is warned (RuntimeWarning, naming
+    the error). A submodule is also its package's attribute (``groundingdino._C``), set when the package is
+    imported. Opt-in: importing msda does not do it.
+
+    Args:
+        detrex: also ``detrex._C`` (its two attention functions, not its DCNv3 ones), where detrex is installed.
+        groundingdino: also ``groundingdino._C``, where groundingdino is installed.
+        mmcv: also ``mmcv._ext`` with mmcv's signatures (the backward fills the gradient tensors it is given, each
+            of its input's shape, dtype and device); every other op mmcv.ops asks for is there and raises
+            NotImplementedError when called; its two build-info queries answer "n/a" (mmcv.utils.collect_env, which
+            BEVFormer-era training scripts call, expects strings).
+
+    Call it before importing the package that imports the extension (first thing in the training script).
+
+    Returns:
+        list of str: the names registered now (none for names already imported or that import).
+
+    Raises:
+        RuntimeError: ``mmcv=True`` after ``mmcv.ops`` was imported (it keeps the ``mmcv._ext`` it found then).
+
+    Example:
+        >>> import torch
+        >>> from msda_core import compat
+        >>> registered = compat.install_extension_shim()  # [] where a working build is installed
+        >>> import MultiScaleDeformableAttention as MSDA  # as Deformable DETR's ops/functions import it
+        >>> value, levels = torch.rand(1, 30, 2, 8), torch.tensor([(4, 6), (2, 3)])
+        >>> starts = torch.tensor([0, 24])
+        >>> out = MSDA.ms_deform_attn_forward(value, levels, starts, torch.rand(1, 5, 2, 2, 3, 2),
+        ...                                   torch.rand(1, 5, 2, 2, 3), 64)
+        >>> tuple(out.shape)
+        (1, 5, 16)
+    """
     names = ["MultiScaleDeformableAttention"] + (["detrex._C"] if detrex else []) + (
         ["groundingdino._C"] if groundingdino else [])
     registered = [name for name in names if _missing(name)]
@@ -146,5 +212,5 @@ def install_extension_shim(*, detrex: bool = False, groundingdino: bool = False,
                           ms_deform_attn_backward=_mmcv_ms_deform_attn_backward, get_compiler_version=_mmcv_build_info,
                           get_compiling_cuda_version=_mmcv_build_info, __getattr__=_mmcv_other_op)
     for name in registered:
-        sys.modules[name] = mmcv_shim if name == "mmcv._ext" else shim
+        _register(name, mmcv_shim if name == "mmcv._ext" else shim)
     return registered
