@@ -89,6 +89,7 @@ def compare(actual, expected) -> tuple[float | None, str]:
     if expected.dtype != REFERENCE_DTYPE:  # the original rounded to its own dtype: its error adds to msda's
         e_rtol, e_atol = FORWARD_BOUNDS.get(expected.dtype, FORWARD_BOUNDS[torch.float32])
         rtol, atol = rtol + e_rtol, atol + e_atol
+    dtype = str(actual.dtype).removeprefix("torch.")
     actual, expected = actual.detach().to(torch.float64), expected.to(torch.float64)
     finite = expected.isfinite()
     scale = expected[finite].abs().max().item() if finite.any() else 0.0
@@ -99,6 +100,5 @@ def compare(actual, expected) -> tuple[float | None, str]:
     ratio = torch.where(difference == 0, 0.0, difference / torch.where(finite, allowed, 1.0))
     worst = ratio.max().item() if ratio.numel() else 0.0
     largest = difference.max().item() if difference.numel() else 0.0
-    dtype = str(actual.dtype).removeprefix("torch.")
     return worst, (f"max |msda - original| {largest:.3g} (output scale {scale:.3g}), {worst:.2g} of the {dtype} "
                    f"bound")
