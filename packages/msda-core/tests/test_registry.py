@@ -1,5 +1,8 @@
 """Backend selection: per call, scoped, by environment variable, and auto; errors that list every backend."""
 
+import os
+import subprocess
+import sys
 from importlib.metadata import EntryPoint
 
 import msda_core
@@ -305,3 +308,46 @@ def test_a_lazy_backend_that_fails_to_import_is_as_a_broken_entry_point(toys):
     assert _ran() == 2.0  # auto tried it, skipped it
     with pytest.raises(BackendUnavailableError, match="'lazy_broken' .*failed to import"):
         _ran(backend="lazy_broken")
+
+
+FORK_AFTER_THREAD = """
+import os, sys, threading, time
+import torch, msda_core
+from msda_core import registry
+
+holding, release = threading.Event(), threading.Event()
+
+def hold():  # as discovery, a registration or a lazy backend's import does
+    with registry._lock:
+        holding.set()
+        release.wait()
+
+threading.Thread(target=hold, daemon=True).start()
+holding.wait()
+pid = os.fork()
+if pid == 0:  # the child: one call with shapes no call had (a miss of the memo takes the lock)
+    value = torch.rand(1, 30, 2, 4)
+    out = msda_core.deform_attn(value, torch.tensor([(5, 6)]), None, torch.rand(1, 3, 2, 1, 2, 2),
+                                torch.rand(1, 3, 2, 1, 2))
+    os._exit(0 if out.shape == (1, 3, 8) else 1)
+deadline = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        release.set()
+        sys.exit(f"child exit status {os.waitstatus_to_exitcode(status)}" if status else 0)
+    time.sleep(0.05)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit("the child was still blocked")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_holds_the_registry_lock_leaves_a_working_child():
+    """DataLoader workers and multiprocessing pools fork. A fork taken while another thread held the registry's lock
+    (discovery, registration, a lazy backend's import, a miss of the selection memo) left the child blocked at its
+    first call with new shapes: the child's copy of the lock was held by a thread the child does not have."""
+    result = subprocess.run([sys.executable, "-c", FORK_AFTER_THREAD, "20"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -139,6 +139,18 @@ _lazy: dict = {}  # name -> LazyBackend not imported yet
 _load_errors: dict = {}
 _discovered = False
 _lock = threading.RLock()  # discovery and changes; lookups of a filled registry take no lock
+
+
+def _new_lock_in_child() -> None:
+    """A forked child has only the thread that forked: a lock another thread held at the fork (during discovery or
+    a lazy backend's import) would stay held in the child forever. The registry's state is consistent at any
+    bytecode (a backend is in ``_lazy`` until it is in ``_backends``); a discovery cut short runs again."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 _scope: contextvars.ContextVar = contextvars.ContextVar("msda_use_backend", default=())  # _Scopes, innermost last
 _resolved: dict = {}  # (request name, Metadata) -> Backend; emptied on any change of the registry
 
@@ -203,13 +215,14 @@ def _add(backend: Backend | LazyBackend) -> None:
 def _load(name: str) -> None:
     """Import a lazy backend: into the registry, or its error into load_errors."""
     with _lock:
-        lazy = _lazy.pop(name, None)
+        lazy = _lazy.get(name)
         if lazy is None:  # another thread loaded it
             return
         try:
             _backends[name] = lazy.load()
         except Exception as err:  # as a broken entry point: skipped by auto, raised when asked for by name
             _load_errors[name] = err
+        del _lazy[name]  # only now: a child forked during the import still has it to load
         _resolved.clear()
 
 
