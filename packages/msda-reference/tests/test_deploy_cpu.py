@@ -58,3 +58,39 @@ def test_aoti_cpu_package_runs_in_cpp_with_no_python(tmp_path):
     (got,) = kit.deploy.run_aoti_package(runner, package, list(other), "cpu")
     with torch.no_grad():
         kit.assert_close("output", got, layer(*other), kit.tolerance(F32, "forward"))
+
+
+def test_decomposition_table_leaves_aten_ops_of_rank_5_at_most():
+    """run_decompositions(msda_core.export.decomposition_table()) leaves no msda op: the gather arithmetic in aten
+    ops (index_select, not the gather backend's embedding_bag), no tensor of rank above 5 (CoreML's limit; the
+    rank-6 locations enter as an input and are folded first), batch and queries still dynamic; the program runs like
+    eager at a batch and query count the export did not see."""
+    import msda_core
+
+    torch.manual_seed(0)
+    layer, args = kit.deploy.Layer(heads=2, head_dim=2).eval(), _args()
+    program = torch.export.export(layer, args, dynamic_shapes=kit.deploy.dynamic_batch_and_queries())
+    program = program.run_decompositions(msda_core.export.decomposition_table())
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    targets = {str(n.target) for n in nodes}
+    assert not any("msda" in t or "embedding_bag" in t for t in targets) and "aten.index_select.default" in targets
+    ranks = {str(n.target): n.meta["val"].dim() for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert max(ranks.values()) <= 5, {t: r for t, r in ranks.items() if r > 5}
+    other = _args(kit.Case("other", batch=3, queries=17, loc_range=(-0.5, 1.5)), seed=3)
+    with torch.no_grad():
+        for call in (args, other):
+            kit.assert_close("output", program.module()(*call), layer(*call), kit.tolerance(F32, "forward"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_decomposition_matches_the_reference_on_every_edge_case(dtype):
+    """msda_core.export.deform_attn_gather, eagerly, against the float64 reference on the same inputs: off-map and
+    non-finite locations, odd head dims, one-pixel levels, no level starts, int32 tables, empty calls."""
+    import msda_core
+
+    for case in kit.EDGE_CASES:
+        inputs = kit.make_inputs(case, dtype)
+        got = msda_core.export.deform_attn_gather(**inputs)
+        assert got.dtype == dtype
+        expected = kit.reference(inputs, backward=False)["output"]
+        kit.assert_close(case.name, got, expected, kit.tolerance(dtype, "forward"))

@@ -6,6 +6,8 @@ saw (batch and queries are dynamic), plus, for the gather form, non-finite locat
 
 import dataclasses
 import io
+import subprocess
+import sys
 
 import msda_core
 import msda_core.onnx
@@ -176,3 +178,35 @@ def test_tensorrt_plugin_refuses_bf16():
               for k, v in _inputs(DECODER, F32).items()}
     with pytest.raises(Exception, match="TensorRT's MultiscaleDeformableAttnPlugin_TRT takes float32 or float16"):
         _export("torchscript", inputs, "tensorrt", 18)
+
+
+UNCHANGED_EXPORT = """
+import io, sys, warnings
+import msda_core, msda_testkit as kit, onnx, onnxruntime, torch
+from msda_core.nn import MSDeformAttn
+
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+levels = torch.tensor([(8, 6), (4, 3)])
+attn = MSDeformAttn(d_model=16, n_levels=2, n_heads=2, n_points=2).eval()
+def call(batch, queries):
+    return (torch.randn(batch, queries, 16), torch.rand(batch, queries, 2, 2), torch.randn(batch, 60, 16), levels)
+f = io.BytesIO()
+torch.onnx.export(attn, call(2, 7), f, dynamo=False, input_names=["query", "reference_points", "features"],
+                  dynamic_axes={"query": {0: "b", 1: "q"}, "reference_points": {0: "b", 1: "q"}, "features": {0: "b"}})
+assert "GridSample" not in {node.op_type for node in onnx.load_from_string(f.getvalue()).graph.node}
+session = onnxruntime.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+for args in (call(3, 12), call(1, 5)):
+    names = [i.name for i in session.get_inputs()]
+    (got,) = session.run(None, dict(zip(names, [a.numpy() for a in args])))
+    with torch.no_grad():
+        kit.assert_close("output", torch.from_numpy(got), attn(*args), kit.tolerance(torch.float32, "forward"))
+"""
+
+
+def test_torchscript_exporter_takes_a_model_unchanged():
+    """In a fresh process, torch.onnx.export(model, args, f, dynamo=False) on msda_core.nn.MSDeformAttn with
+    nothing passed or called first (the symbolic registers itself at the first traced call): the gather form,
+    batch and queries dynamic, like eager."""
+    done = subprocess.run([sys.executable, "-c", UNCHANGED_EXPORT], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -81,15 +81,10 @@ def translation_table(form: str | None = None, *, plugin: str | None = None) -> 
 
     Example:
         >>> import torch, msda_core
-        >>> class Attention(torch.nn.Module):
-        ...     def forward(self, value, shapes, loc, weights):
-        ...         return torch.ops.msda.deform_attn(value, shapes, None, loc, weights)
-        >>> shapes = torch.tensor([[2, 3]])  # one level of 2 x 3 pixels
-        >>> args = (torch.randn(1, 6, 2, 4), shapes, torch.rand(1, 5, 2, 1, 3, 2), torch.rand(1, 5, 2, 1, 3))
-        >>> program = torch.onnx.export(Attention(), args, dynamo=True, verbose=False,
-        ...                             custom_translation_table=msda_core.onnx.translation_table("gather"))
-        >>> "GridSample" in {node.op_type for node in program.model.graph}
-        False
+        >>> table = msda_core.onnx.translation_table("gather")
+        >>> list(table) == [torch.ops.msda.deform_attn.default]
+        True
+        >>> # then: torch.onnx.export(model, args, dynamo=True, custom_translation_table=table)
     """
     if plugin is not None:
         if plugin != "tensorrt" or form not in (None, "tensorrt"):
