@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:# ONNX model has different number of inputs:UserWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:The feature will be removed:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
 ]
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -59,7 +60,7 @@ def _export(exporter, inputs, form, opset) -> bytes:
     """The ONNX model of Attention, batch and queries dynamic."""
     args = tuple(inputs[name] for name in NAMES)
     if exporter == "dynamo":
-        program = torch.onnx.export(Attention(), args, dynamo=True, opset_version=opset, verbose=False,
+        program = torch.onnx.export(Attention().eval(), args, dynamo=True, opset_version=opset, verbose=False,
                                     custom_translation_table=msda_core.onnx.translation_table(form),
                                     dynamic_shapes=kit.deploy.dynamic_batch_and_queries())
         return program.model_proto.SerializeToString()
@@ -67,7 +68,7 @@ def _export(exporter, inputs, form, opset) -> bytes:
     axes = {name: {0: "batch", 1: "queries"} for name in ("sampling_locations", "attention_weights")}
     f = io.BytesIO()
     with msda_core.onnx.export_form(form):
-        torch.onnx.export(Attention(), args, f, dynamo=False, opset_version=opset, input_names=names,
+        torch.onnx.export(Attention().eval(), args, f, dynamo=False, opset_version=opset, input_names=names,
                           dynamic_axes={"value": {0: "batch"}, **axes})
     return f.getvalue()
 
@@ -105,8 +106,9 @@ EXPORTS = [  # (exporter, form, opset, case, dtype): every form, exporter, end o
 @pytest.mark.parametrize("exporter, form, opset, case, dtype", EXPORTS,
                          ids=[f"{e}-{f}-opset{o}-{c.name}-{str(d)[6:]}" for e, f, o, c, d in EXPORTS])
 def test_standard_forms_run_in_onnxruntime_like_eager(exporter, form, opset, case, dtype):
-    """Both standard forms match eager; the gather form has no GridSample (and keeps non-finite locations' NaN
-    and zeros); half inputs are computed in float32: every half input goes only into a Cast to float32 or a Shape."""
+    """Both standard forms, at the opset asked for, match eager; the gather form has no GridSample (and keeps
+    non-finite locations' NaN and zeros); half inputs are computed in float32: every half input goes only into a
+    Cast to float32 or a Shape."""
     import onnx
 
     inputs = _inputs(case, dtype)
@@ -114,6 +116,7 @@ def test_standard_forms_run_in_onnxruntime_like_eager(exporter, form, opset, cas
     if form == "gather":
         calls.append(_inputs(dataclasses.replace(case, layout="nonfinite"), dtype, seed=3))
     model = _export(exporter, inputs, form, opset)
+    assert {o.version for o in onnx.load_from_string(model).opset_import if o.domain == ""} == {opset}
     assert ("GridSample" in _op_types(model)) == (form == "grid_sample")
     if dtype == F16:
         graph = onnx.load_from_string(model).graph
@@ -131,7 +134,7 @@ def test_plain_torch_onnx_export_emits_the_gather_form():
     msda_core.export's aten decomposition, so the graph is the gather form, dynamic as asked, and matches eager."""
     inputs = _inputs(DECODER, F32)
     args = tuple(inputs[name] for name in NAMES)
-    program = torch.onnx.export(Attention(), args, verbose=False,
+    program = torch.onnx.export(Attention().eval(), args, verbose=False,
                                 dynamic_shapes=kit.deploy.dynamic_batch_and_queries())
     model = program.model_proto.SerializeToString()
     assert "GridSample" not in _op_types(model) and {"Gather", "Floor", "Where", "ReduceSum"} <= _op_types(model)

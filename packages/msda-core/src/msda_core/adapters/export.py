@@ -53,7 +53,7 @@ def deform_attn_gather(value: torch.Tensor, spatial_shapes: torch.Tensor, level_
     B, S, M, D = value.shape
     Q, _, L, P = sampling_locations.shape[1:5]
     compute = torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
-    rows = torch.nn.functional.pad(value.to(compute), (0, 0, 0, 0, 0, 1)).reshape(-1, D)  # row S: zeros
+    rows = torch.cat((value.to(compute), value.new_zeros((B, 1, M, D), dtype=compute)), 1).reshape(-1, D)  # row S: 0
     shapes = spatial_shapes.to(torch.int64)
     sizes = shapes[:, 0] * shapes[:, 1]
     starts = sizes.cumsum(0) - sizes if level_start_index is None else level_start_index.to(torch.int64)

@@ -276,8 +276,9 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
     value, locations, weights = (_cast(graph, x, dtype) for x in (value, sampling_locations, attention_weights))
     shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
     batch, pixels, heads, dim = (_dims(graph, value, axis) for axis in range(4))
-    rows = op.Reshape(op.Pad(value, _ints(graph, 0, 0, 0, 0, 0, 1, 0, 0)),  # row S of each image: zeros
-                      op.Concat(_ints(graph, -1), dim, axis=0))
+    zeros = op.Expand(op.Cast(_scalar(graph, 0), to=dtype), op.Concat(batch, _ints(graph, 1), heads, dim, axis=0))
+    rows = op.Reshape(op.Concat(value, zeros, axis=1),  # row S of each image: zeros (not Pad: the dynamo
+                      op.Concat(_ints(graph, -1), dim, axis=0))  # exporter cannot convert Pad-18 to opsets 16, 17)
     sample_level = _ints(graph, *(level for level in range(L) for _ in range(P)))  # (L*P,)
     size = op.Gather(shapes, sample_level, axis=0)  # (L*P, 2)
     height, width = (op.Gather(size, _scalar(graph, axis), axis=1) for axis in (0, 1))
