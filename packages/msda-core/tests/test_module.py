@@ -124,6 +124,45 @@ def test_argument_errors_name_the_argument_the_expectation_and_the_value():
         module(query, reference, flat, shapes, None, torch.zeros(2, S - 1, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("arg", ["query", "reference_points", "input_flatten", "input_level_start_index",
+                                 "input_padding_mask"])
+def test_a_non_tensor_argument_is_named(arg):
+    """A list where a tensor belongs gave 'list' object has no attribute 'dim' (or 'device')."""
+    module = _loaded(checkpoint(C, L, M, P))
+    query, reference, flat = _inputs(2)
+    args = {"query": query, "reference_points": reference, "input_flatten": flat,
+            "input_spatial_shapes": torch.tensor(SHAPES), "input_level_start_index": torch.tensor([0, 30]),
+            "input_padding_mask": torch.zeros(2, S, dtype=torch.bool)}
+    args[arg] = [args[arg]]
+    with pytest.raises(TypeError, match=f"^{arg}: expected a tensor, got list"):
+        module(**args)
+
+
+@pytest.mark.parametrize("arg", ["reference_points", "input_flatten", "input_spatial_shapes",
+                                 "input_level_start_index", "input_padding_mask"])
+def test_an_argument_on_another_device_is_named(arg):
+    """A meta level table gave torch's 'Tensor on device meta is not on the expected device cpu!'."""
+    module = _loaded(checkpoint(C, L, M, P))
+    query, reference, flat = _inputs(2)
+    args = {"query": query, "reference_points": reference, "input_flatten": flat,
+            "input_spatial_shapes": torch.tensor(SHAPES), "input_level_start_index": torch.tensor([0, 30]),
+            "input_padding_mask": torch.zeros(2, S, dtype=torch.bool)}
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=f"^{arg}: expected device cpu \\(the device of query\\), got meta"):
+        module(**args)
+
+
+@pytest.mark.parametrize("arg", ["value", "sampling_locations", "attention_weights"])
+def test_the_transformers_core_names_a_non_tensor_argument(arg):
+    """transformers' core given a list value said 'list' object has no attribute 'device'."""
+    args = {"value": torch.randn(1, 30, 2, 8), "value_spatial_shapes": torch.tensor([(4, 6), (2, 3)]),
+            "value_spatial_shapes_list": None, "level_start_index": None,
+            "sampling_locations": torch.rand(1, 5, 2, 2, 3, 2), "attention_weights": torch.rand(1, 5, 2, 2, 3)}
+    args[arg] = [args[arg]]
+    with pytest.raises(TypeError, match=f"^{arg}: expected a tensor, got list"):
+        MultiScaleDeformableAttention()(**args)
+
+
 def test_backend_keyword_reaches_the_op(marker_backend):
     module = MSDeformAttn(C, L, M, P, backend="marker").double()
     query, reference, flat = _inputs(2)
@@ -143,3 +182,12 @@ def test_constructor_refuses_bad_sizes_and_backend_names():
             MSDeformAttn(**kwargs)
     with pytest.raises(ValueError, match="backend: expected 'auto' or one of"):
         MultiScaleDeformableAttention(backend="nope")
+
+
+def test_hub_mapping_takes_one_device_type_as_a_string():
+    """mapping("cpu") mapped the device types 'c', 'p' and 'u'."""
+    import msda_core
+    assert list(msda_core.hub.mapping("cpu")["MultiScaleDeformableAttention"]) == ["cpu"]
+    assert list(msda_core.hub.mapping(["cuda", "cpu"])["MultiScaleDeformableAttention"]) == ["cuda", "cpu"]
+    with pytest.raises(TypeError, match=r"^devices: expected device type names such as 'cpu' or 'cuda', got 0"):
+        msda_core.hub.mapping([0])

@@ -188,3 +188,13 @@ def test_level_table_values_are_checked_on_parameters_too(inputs, spy_backend):
     with pytest.raises(ValueError, match="spatial_shapes: expected sum"):
         torch.ops.msda.deform_attn(**dict(inputs, spatial_shapes=wrong), backend="spy")
     assert spy_backend == []
+
+
+@pytest.mark.parametrize("arg", ["value", "spatial_shapes", "level_start_index", "sampling_locations",
+                                 "attention_weights"])
+def test_a_non_tensor_argument_is_named(arg):
+    """msda_core.deform_attn given a list where a tensor belongs: torch's schema error printed the whole list."""
+    inputs = tiny_inputs()
+    inputs[arg] = [inputs[arg]]
+    with pytest.raises(TypeError, match=f"^{arg}: expected a tensor, got list$"):
+        msda_core.deform_attn(**inputs)

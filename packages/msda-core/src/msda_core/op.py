@@ -25,7 +25,7 @@ import sys
 import torch
 
 from . import registry
-from .validation import check_grad_accum, check_grad_output, check_inputs
+from .validation import check_grad_accum, check_grad_output, check_inputs, check_tensor
 
 SCHEMA = ("(Tensor value, Tensor spatial_shapes, Tensor? level_start_index, Tensor sampling_locations, "
           "Tensor attention_weights, *, str backend='auto', str grad_accum='auto', bool? deterministic=None) -> Tensor")
@@ -243,7 +243,7 @@ def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, at
 
     Raises:
         TypeError: a sixth positional argument (``im2col_step``: use ``msda_core.compat.MSDeformAttnFunction``),
-            or a dtype other than those above.
+            an argument that is not a tensor (a list), or a dtype other than those above.
         ValueError: a shape or device that does not fit the others, a CPU level table that does not describe
             value's S rows (a CUDA one is never read on the host: docs/math.md, "Level tables"), or an unknown
             grad_accum; the message names the argument, the expected and the actual value. Raised before any
@@ -274,6 +274,10 @@ def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, at
             "chunked the batch in the CUDA extensions). For the MSDeformAttnFunction.apply(value, spatial_shapes, "
             "level_start_index, sampling_locations, attention_weights, im2col_step) signature use "
             "msda_core.compat.MSDeformAttnFunction")
+    for arg, x in zip(registry.Inputs._fields, (value, spatial_shapes, level_start_index, sampling_locations,
+                                                attention_weights)):
+        if x is not None or arg != "level_start_index":
+            check_tensor(arg, x)
     return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                                       attention_weights, backend=backend, grad_accum=grad_accum,
                                       deterministic=deterministic)

@@ -25,6 +25,18 @@ def _shape_error(arg: str, expected: str, actual: torch.Tensor, origin: str = ""
     return ValueError(f"{arg}: expected shape {expected}{origin}, got {tuple(actual.shape)}")
 
 
+def check_tensor(arg: str, x) -> None:
+    """TypeError naming ``arg`` where a tensor belongs and something else came (a list of tensors, say)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{arg}: expected a tensor, got {type(x).__name__}")
+
+
+def check_device(arg: str, tensor: torch.Tensor, device: torch.device, of: str = "value") -> None:
+    """ValueError naming ``arg`` where ``tensor`` is not on ``device``, the device of the argument ``of``."""
+    if tensor.device != device:
+        raise ValueError(f"{arg}: expected device {device} (the device of {of}), got {tensor.device}")
+
+
 def _dims(names: str, sizes: tuple) -> str:
     """Render '(B, Q, M) = (2, 5, 8)' so a message shows both the meaning and the numbers."""
     return f"({names}) = {tuple(sizes)}"
@@ -97,8 +109,7 @@ def check_inputs(inputs: Inputs) -> None:
         raise ValueError(f"value: expected device {sampling_locations.device} (the device of sampling_locations and "
                          f"attention_weights), got {device}")
     for arg, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{arg}: expected device {device} (the device of value), got {t.device}")
+        check_device(arg, t, device)
 
     if _values_readable(spatial_shapes, level_start_index):
         check_level_values(S, spatial_shapes, level_start_index)
@@ -143,7 +154,6 @@ def check_grad_output(grad_output, value, sampling_locations) -> None:
     if tuple(grad_output.shape) != expected:
         raise ValueError(f"grad_output: expected shape (B, Q, M*D) = {expected} (B, Q from sampling_locations, "
                          f"M, D from value), got {tuple(grad_output.shape)}")
-    if grad_output.device != value.device:
-        raise ValueError(f"grad_output: expected device {value.device} (the device of value), got {grad_output.device}")
+    check_device("grad_output", grad_output, value.device)
     if not grad_output.is_floating_point():
         raise TypeError(f"grad_output: expected a floating dtype, got {grad_output.dtype}")

@@ -15,7 +15,7 @@ import operator
 import torch
 
 from .. import op  # noqa: F401  (registers torch.ops.msda)
-from ..validation import HALF_DTYPES
+from ..validation import HALF_DTYPES, check_tensor
 from .shims import install_extension_shim as install_extension_shim  # users call it as compat's
 
 _SHAPES: dict = {}  # (shapes, device) -> int64 tensor: one tensor per pyramid, copied to the device once
@@ -91,6 +91,9 @@ def _op_dtypes(value, sampling_locations, attention_weights):
 def run_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, *,
            backend: str = "auto") -> torch.Tensor:
     """The op, after the conversions above; (B, Q, M*D). Every replacement in this package ends here."""
+    for arg, x in (("value", value), ("sampling_locations", sampling_locations),
+                   ("attention_weights", attention_weights)):
+        check_tensor(arg, x)
     spatial_shapes = level_shapes(spatial_shapes, value.device)
     sampling_locations, attention_weights = _unfold(sampling_locations, attention_weights, spatial_shapes.shape[0])
     sampling_locations, attention_weights = _op_dtypes(value, sampling_locations, attention_weights)

@@ -76,16 +76,22 @@ def mapping(devices=("cpu", "cuda")) -> dict:
     name to this module's layer on each device type, in every mode. No hub access; kernels is not imported.
 
     Args:
-        devices: the device types (``"cpu"``, ``"cuda"``) on which kernelize should swap in msda.
+        devices: the device types (``"cpu"``, ``"cuda"``) on which kernelize should swap in msda: several, or one
+            as a string.
 
     Returns:
         ``{"MultiScaleDeformableAttention": {device: Repository()}}``; a Repository's ``load()`` is the layer.
+
+    Raises:
+        TypeError: a device type that is not a string.
 
     Example:
         >>> import msda_core
         >>> table = msda_core.hub.mapping()
         >>> sorted(table["MultiScaleDeformableAttention"])
         ['cpu', 'cuda']
+        >>> list(msda_core.hub.mapping("cpu")["MultiScaleDeformableAttention"])
+        ['cpu']
         >>> table["MultiScaleDeformableAttention"]["cpu"].load() is msda_core.hub.MultiScaleDeformableAttention
         True
 
@@ -95,4 +101,9 @@ def mapping(devices=("cpu", "cuda")) -> dict:
             with use_kernel_mapping(msda_core.hub.mapping()):
                 model = kernelize(model, mode=Mode.TRAINING, device="cuda")
     """
+    if isinstance(devices, str):  # one device type, not its letters
+        devices = (devices,)
+    for device in devices:
+        if not isinstance(device, str):
+            raise TypeError(f"devices: expected device type names such as 'cpu' or 'cuda', got {device!r}")
     return {LAYER_NAME: {device: Repository() for device in devices}}

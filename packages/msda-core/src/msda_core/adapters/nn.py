@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .. import registry
+from .. import registry, validation
 from .compat import level_shapes, run_op
 
 
@@ -98,6 +98,13 @@ class MSDeformAttn(nn.Module):
             ValueError: a shape that does not fit ``d_model``, ``n_levels`` or the other arguments, naming the
                 argument; and whatever :func:`msda_core.deform_attn` raises.
         """
+        tensors = {"query": query, "reference_points": reference_points, "input_flatten": input_flatten,
+                   "input_spatial_shapes": input_spatial_shapes, "input_level_start_index": input_level_start_index,
+                   "input_padding_mask": input_padding_mask}
+        for arg, x in tensors.items():
+            if x is not None and (arg != "input_spatial_shapes" or isinstance(x, torch.Tensor)):  # or a list
+                validation.check_tensor(arg, x)
+                validation.check_device(arg, x, query.device, "query")
         if query.dim() != 3 or query.shape[2] != self.d_model:
             raise ValueError(f"query: expected shape (N, Len_q, d_model) with d_model = {self.d_model}, got "
                              f"{tuple(query.shape)}")
