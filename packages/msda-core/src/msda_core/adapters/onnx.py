@@ -234,9 +234,9 @@ def _cast(graph, x, dtype):
     return x if graph.dtype(x) == dtype else graph.op.Cast(x, to=dtype)
 
 
-def _cast_back(graph, x, dtype, out_dtype):
-    """x, computed in ``dtype``, in ``out_dtype`` (an intermediate's dtype is not known to every exporter)."""
-    return x if dtype == out_dtype else graph.op.Cast(x, to=out_dtype)
+def _convert(graph, x, dtype, to):
+    """x, of element type ``dtype``, in ``to`` (an intermediate's type is not known to every exporter)."""
+    return x if dtype == to else graph.op.Cast(x, to=to)
 
 
 def _dims(graph, x, *axes):
@@ -273,7 +273,11 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
     L, P = _levels_and_points(graph, sampling_locations)
     LP = L * P
     out_dtype, dtype = graph.dtype(value), _compute_dtype(graph, value, sampling_locations)
-    value, locations, weights = (_cast(graph, x, dtype) for x in (value, sampling_locations, attention_weights))
+    value = _cast(graph, value, dtype)
+    batch_queries_heads = _dims(graph, sampling_locations, 0, 1, 2)
+    locations, weights = (  # folded to rank 5 first (CoreML's limit), then cast
+        _convert(graph, op.Reshape(x, op.Concat(batch_queries_heads, _ints(graph, *tail), axis=0)), graph.dtype(x),
+                 dtype) for x, tail in ((sampling_locations, (LP, 2)), (attention_weights, (LP,))))
     shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
     batch, pixels, heads, dim = (_dims(graph, value, axis) for axis in range(4))
     zeros = op.Expand(op.Cast(_scalar(graph, 0), to=dtype), op.Concat(batch, _ints(graph, 1), heads, dim, axis=0))
@@ -289,9 +293,6 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
                           op.Mul(op.Add(pixels, _ints(graph, 1)), heads)), _ints(graph, -1, 1, 1, 1)),
         op.Reshape(op.Range(_scalar(graph, 0), op.Squeeze(heads, _ints(graph, 0)), _scalar(graph, 1)),
                    _ints(graph, 1, 1, -1, 1)))
-    batch_queries_heads = _dims(graph, locations, 0, 1, 2)
-    locations = op.Reshape(locations, op.Concat(batch_queries_heads, _ints(graph, LP, 2), axis=0))  # rank 5
-    weights = op.Reshape(weights, op.Concat(batch_queries_heads, _ints(graph, LP), axis=0))
     half, one = (op.Cast(_scalar(graph, v), to=dtype) for v in (0.5, 1.0))
     x, y = (op.Sub(op.Mul(op.Gather(locations, _scalar(graph, axis), axis=4), op.Cast(length, to=dtype)), half)
             for axis, length in ((0, width), (1, height)))
@@ -314,7 +315,7 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
             term = op.ReduceSum(op.Mul(taps, op.Unsqueeze(w, _ints(graph, -1))), _ints(graph, 3), keepdims=0)
             out = term if out is None else op.Add(out, term)
     out = op.Reshape(out, op.Concat(_dims(graph, locations, 0, 1), _ints(graph, -1), axis=0))
-    return _cast_back(graph, out, dtype, out_dtype)
+    return _convert(graph, out, dtype, out_dtype)
 
 
 def _grid_sample_form(graph, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -351,7 +352,7 @@ def _grid_sample_form(graph, value, spatial_shapes, level_start_index, sampling_
         term = op.ReduceSum(op.Mul(sampled, weights_l), _ints(graph, 3), keepdims=0)  # (B*M, D, Q)
         total = term if total is None else op.Add(total, term)
     out = op.Transpose(op.Reshape(total, op.Concat(batch, heads, dim, queries, axis=0)), perm=[0, 3, 1, 2])
-    return _cast_back(graph, op.Reshape(out, op.Concat(batch, queries, _ints(graph, -1), axis=0)), FLOAT, out_dtype)
+    return _convert(graph, op.Reshape(out, op.Concat(batch, queries, _ints(graph, -1), axis=0)), FLOAT, out_dtype)
 
 
 def _plugin_schema():
