@@ -129,7 +129,16 @@ def export_form(form: str):
 
 def exporting() -> bool:
     """Whether one of torch's ONNX exporters is running; registers the TorchScript exporter's symbolic when one is.
-    Costs a dict lookup when torch.onnx was never imported (no export can run then)."""
+    The op calls it (msda_core.op): costs a dict lookup when torch.onnx was never imported (no export can run then).
+
+    Returns:
+        ``torch.onnx.is_in_onnx_export()``, False while torch.onnx is not imported.
+
+    Example:
+        >>> import msda_core
+        >>> msda_core.onnx.exporting()
+        False
+    """
     if "torch.onnx" not in sys.modules or not torch.onnx.is_in_onnx_export():
         return False
     _register_symbolic()
