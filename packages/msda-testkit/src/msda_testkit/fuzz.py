@@ -1,10 +1,13 @@
 """Property-based fuzzing of msda.deform_attn (hypothesis): random valid and malformed calls on one backend.
 
 A valid call must give float64 ``naive``'s result on the same inputs, forward and gradients, within the tolerance
-table (``check_parity``). Its locations lie in [0, 1] (the layouts of ``cases`` move some onto knots, edges and
-corners, or make them non-finite) and one lies at the centre of a map: the table's ``atol`` is relative to the
-largest result, and a call whose every sample barely touches the map has only tiny results, next to which the
-rounding of an fp32 location (of order u times value) is large.
+table (``check_parity``). Some pixels of ``value`` are +-inf or NaN (not pixel 0, which gather's off-map taps read
+when no other of the first 64 is finite everywhere; not in the layouts ``ON_KNOTS``): a result is then inf or NaN
+where naive's in the inputs' own dtype is, the same infinity or NaN (docs/math.md, "Non-finite inputs"), and a
+finite one as above. Its locations lie in [0, 1] (the layouts of ``cases`` move some onto knots,
+edges and corners, or make them non-finite) and one lies at the centre of a map: the table's ``atol`` is relative
+to the largest result, and a call whose every sample barely touches the map has only tiny results, next to which
+the rounding of an fp32 location (of order u times value) is large.
 A malformed one (one argument broken in one of the ways ``MALFORMATIONS`` lists; off the CPU, not the level
 table's values, ``TABLE_VALUES``) must raise ValueError or TypeError whose message starts with that argument's
 name, before the backend runs.
@@ -16,6 +19,7 @@ replays it). Tests call it twice: once fixed, once with a fresh seed.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -31,6 +35,10 @@ from .parity import check_parity, run
 SEED_VARIABLE = "MSDA_FUZZ_SEED"
 LAYOUTS = ("random", "pixel_centres", "map_corners", "past_edges", "nonfinite")
 HALF = (torch.float16, torch.bfloat16)
+NONFINITE = (math.inf, -math.inf, math.nan)  # value's pixels
+# Layouts whose pixel coordinates lie on knots up to rounding, where which corners a sample reads (with weight 0 or
+# next to it) depends on each backend's rounding of loc * W - 0.5: 0 * inf is NaN, 1e-8 * inf is inf
+ON_KNOTS = ("pixel_centres", "past_edges")
 
 
 def _with(arg, change):
@@ -104,6 +112,16 @@ def calls(draw, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloa
     inputs = make_inputs(case, dtype, location_dtype, device=device, seed=draw(st.integers(0, 2 ** 16)))
     if batch * queries:  # one sample at a level's centre: the results' scale is that of the inputs (module doc)
         inputs["sampling_locations"][0, 0, 0, 0, 0] = 0.5
+    B, S, M, D = inputs["value"].shape
+    if B * (S - 1) and case.layout not in ON_KNOTS:  # inf and NaN pixels, pixel 0 finite (module doc)
+        where = st.tuples(st.integers(0, B - 1), st.integers(1, S - 1), st.integers(0, M - 1), st.integers(0, D - 1))
+        spoilt = draw(st.lists(st.tuples(where, st.sampled_from(NONFINITE)), max_size=2))
+        H, W = levels[0]
+        centre = H // 2 * W + W // 2
+        if batch * queries and centre and draw(st.booleans()):  # a pixel the sample at the centre reads
+            spoilt.append(((0, centre, 0, draw(st.integers(0, D - 1))), draw(st.sampled_from(NONFINITE))))
+        for index, bad in spoilt:
+            inputs["value"][index] = bad
     memory = draw(st.sampled_from(list(MEMORY_LAYOUTS)))
     inputs = {k: (MEMORY_LAYOUTS[memory](v) if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
     checked = [m for m in MALFORMATIONS if torch.device(device).type == "cpu" or m not in TABLE_VALUES]
@@ -121,6 +139,12 @@ def check(call: Call, backend: str) -> None:
         on_cpu = upcast(inputs, torch.float64, device="cpu")
         device = inputs["value"].device
         expected = {k: v.to(device) for k, v in run(on_cpu, "naive", grad_output.cpu().double()).items()}
+        if not bool(inputs["value"].isfinite().all()):
+            # which results are inf or NaN follows naive in the inputs' own compute dtype: in float64 a bilinear
+            # weight that is 0 in fp32 (0 * inf: NaN) may not be (inf)
+            own = run({k: (v.cpu() if v is not None else None) for k, v in inputs.items()}, "naive", grad_output.cpu())
+            expected = {k: torch.where(own[k].isfinite().to(device), v, own[k].to(device, v.dtype))
+                        for k, v in expected.items()}
         failed = [str(r) for r in check_parity(inputs, backend, grad_output=grad_output, expected=expected)
                   if not r.passed]
         assert not failed, f"{backend} against float64 naive:\n" + "\n".join(failed)
