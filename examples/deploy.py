@@ -1,8 +1,11 @@
 """The README's three deploy routes on a small MSDeformAttn layer, on the CPU: torch.compile, an AOTInductor
 package (loaded back in Python here; msda_testkit.deploy runs packages from C++) and ONNX run by onnxruntime
 (pip install './packages/msda-core[onnx]'). Each prints its largest difference from eager, relative to the
-output's largest magnitude."""
+output's largest magnitude. The program is exported with the batch and query counts dynamic, so the package serves
+any of them. ``python examples/deploy.py [FOLDER]``: FOLDER keeps the package (attn.pt2); by default it is written
+to a temporary folder, removed at the end."""
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,8 +31,11 @@ with torch.no_grad():
     eager = attn(*args)
     report("torch.compile", torch.compile(attn, fullgraph=True)(*args))
 
-    with tempfile.TemporaryDirectory() as folder:  # the package is removed at the end
-        program = torch.export.export(attn, args)
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = sys.argv[1] if len(sys.argv) > 1 else temporary
+        batch, queries = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("queries", min=1, max=4096)
+        dynamic = ({0: batch, 1: queries}, {0: batch, 1: queries}, {0: batch}, None)  # one entry per argument
+        program = torch.export.export(attn, args, dynamic_shapes=dynamic)
         package = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(folder) / "attn.pt2"))
         report("AOTInductor", torch._inductor.aoti_load_package(package)(*args))
 

@@ -1,8 +1,8 @@
-"""The CPU reference backends, the first link of the tests' chain of trust (naive -> grid_sample -> triton):
-the naive loops against grid_sample in float64, gather against the naive loops, the op's gradients against
-finite differences, and the op's registration against torch.library's, torch.compile's and export's checks."""
+"""The CPU reference backends, the first link of the tests' chain of trust (naive -> grid_sample -> triton): the
+naive loops against grid_sample in float64, and what is gather's own (model-like locations, replays across thread
+counts, chunking, a wrong level table, tracing its functions). Every backend against float64 naive on the edge
+cases, gradcheck, opcheck, compile and export: the conformance suite (test_reference_conformance.py)."""
 
-import itertools
 from dataclasses import replace
 
 import msda_core
@@ -19,12 +19,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 def test_naive_matches_grid_sample_in_float64(case):
     inputs = kit.make_inputs(case, torch.float64)
     kit.assert_parity(inputs, "naive", "grid_sample")
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
-def test_gather_matches_naive(case, dtype):
-    kit.assert_parity(kit.make_inputs(case, dtype), "gather", "naive")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,108 +122,3 @@ def test_gather_traces_whole():
             kit.assert_close(name, actual, expected, kit.tolerance(torch.float32, "gradient"))
 
 
-@pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS)
-@pytest.mark.parametrize("backend", ["naive", "grid_sample", "gather"])
-def test_gradcheck(backend, head_dim):
-    """Finite differences of the op itself; samples kept away from pixel kinks (docs/math.md). The full Jacobian
-    at the head dims of a few channels; past them a head dim changes only how many channels the same formulas
-    run over, so fast_mode (the Jacobian against random vectors on both sides, which a wrong entry fails) suffices."""
-    case = kit.Case(f"gradcheck_d{head_dim}", head_dim=head_dim, layout="away_from_pixels", loc_range=(-0.2, 1.2))
-    inputs = kit.make_inputs(case, torch.float64)
-    value, loc, weights = (inputs[k].requires_grad_() for k in ("value", "sampling_locations", "attention_weights"))
-
-    def op(value, loc, weights):
-        return torch.ops.msda.deform_attn(value, inputs["spatial_shapes"], inputs["level_start_index"], loc, weights,
-                                          backend=backend)
-
-    assert torch.autograd.gradcheck(op, (value, loc, weights), eps=1e-6, atol=1e-7, rtol=1e-5,
-                                    fast_mode=head_dim > FULL_JACOBIAN_HEAD_DIM)
-
-
-FULL_JACOBIAN_HEAD_DIM = 3  # gradcheck compares the whole Jacobian up to this head dim
-OPCHECK_AOT_CASES = ("tiny", "no_level_start", "non_contiguous")  # every check, on both backends
-OPCHECK_FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
-@pytest.mark.parametrize(("case", "backend"), list(zip(kit.EDGE_CASES, itertools.cycle(("grid_sample", "gather")))),
-                         ids=lambda x: getattr(x, "name", x))
-def test_opcheck_both_ops(case, backend):
-    """torch.library.opcheck of both public ops over every edge case, the backends taking turns: the schema (no
-    mutation or aliasing it does not declare), the autograd registration and the fake-tensor kernel; on
-    OPCHECK_AOT_CASES, on both backends, also the AOT dispatch check, which compiles."""
-    inputs = kit.make_inputs(case, torch.float64)
-    for k in kit.DIFFERENTIABLE:
-        inputs[k].requires_grad_()
-    args = tuple(inputs.values())
-    grad = kit.grad_output_for(inputs)
-    detached = tuple(a.detach() if a is not None else None for a in args)
-    every = case.name in OPCHECK_AOT_CASES
-    checks = {} if every else {"test_utils": OPCHECK_FAST}
-    for name in ("grid_sample", "gather") if every else (backend,):
-        torch.library.opcheck(torch.ops.msda.deform_attn.default, args, {"backend": name}, **checks)
-        torch.library.opcheck(torch.ops.msda.deform_attn_backward.default, (grad,) + detached,
-                              {"backend": name, "grad_accum": "auto", "deterministic": None}, **checks)
-
-
-def test_compile_fullgraph_matches_eager():
-    inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float32)
-
-    def layer(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        out = torch.ops.msda.deform_attn(value * 2, spatial_shapes, level_start_index, sampling_locations,
-                                         attention_weights.softmax(-1))
-        return out.relu().sum(-1)
-
-    eager = layer(**inputs)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)(**inputs)
-    kit.assert_close("compiled output", compiled, eager, kit.tolerance(torch.float32, "forward"))
-
-
-def test_compile_fullgraph_backward():
-    inputs = kit.make_inputs(kit.case("tiny"), torch.float64)
-    value = inputs["value"].requires_grad_()
-
-    def loss(value):
-        return torch.ops.msda.deform_attn(value, inputs["spatial_shapes"], inputs["level_start_index"],
-                                          inputs["sampling_locations"], inputs["attention_weights"]).square().sum()
-
-    (expected,) = torch.autograd.grad(loss(value), value)
-    torch._dynamo.reset()
-    (actual,) = torch.autograd.grad(torch.compile(loss, fullgraph=True)(value), value)
-    kit.assert_close("compiled grad_value", actual, expected, kit.tolerance(torch.float64, "gradient"))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", [kit.case("out_of_bounds"), kit.case("head_dim_71"), kit.case("nonfinite")],
-                         ids=lambda c: c.name)
-def test_grid_sample_low_precision_against_float64(case, dtype):
-    kit.assert_parity(kit.make_inputs(case, dtype), "grid_sample", "naive")
-
-
-@pytest.mark.parametrize("backend", ["grid_sample", "gather"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mixed_precision_keeps_location_precision(dtype, backend):
-    """Half value with fp32 locations: locations are not rounded to half on the way."""
-    inputs = kit.make_inputs(kit.case("out_of_bounds"), dtype, location_dtype=torch.float32)
-    results = kit.assert_parity(inputs, backend, "naive")
-    assert [r.name for r in results][:1] == ["output"]
-    # the same inputs with the locations rounded to half must be measurably worse: the dtype mattered
-    rounded = dict(inputs, sampling_locations=inputs["sampling_locations"].to(dtype).float())
-    exact = kit.run(kit.upcast(inputs), "naive")["output"]
-    err_mixed = (kit.run(inputs, backend)["output"].double() - exact).abs().max()
-    err_rounded = (kit.run(rounded, backend)["output"].double() - exact).abs().max()
-    assert err_rounded > 2 * err_mixed
-
-
-def test_export_records_the_op_and_matches_eager():
-    inputs = kit.make_inputs(kit.case("out_of_bounds"), torch.float32)
-
-    class Layer(torch.nn.Module):
-        def forward(self, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-            return torch.ops.msda.deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
-                                              attention_weights)
-
-    exported = torch.export.export(Layer(), tuple(inputs.values()))
-    assert "msda.deform_attn" in str(exported.graph)
-    kit.assert_close("exported output", exported.module()(*inputs.values()), Layer()(**inputs),
-                     kit.tolerance(torch.float32, "forward"))

@@ -3,6 +3,7 @@ case, the parity check against float64 and the wrong level table."""
 
 import msda_testkit as kit
 import torch
+from msda_testkit import conformance
 from triton_env import DEVICE
 
 REFERENCE = "naive" if DEVICE == "cpu" else "grid_sample"
@@ -24,8 +25,7 @@ def assert_triton_parity(inputs, grad_accum, deterministic=False):
     return kit.assert_parity(inputs, "triton", REFERENCE, grad_accum=grad_accum, deterministic=deterministic)
 
 
-# many queries on one 2x2 map: hundreds of atomic adds land on each element of grad_value
-CROWDED = kit.Case("crowded", queries=200, heads=1, head_dim=8, levels=((2, 2),), points=2)
+CROWDED = conformance.CROWDED  # many queries on one 2x2 map: hundreds of atomic adds on each element of grad_value
 
 
 def wrong_level_table(inputs):

@@ -1,4 +1,6 @@
-"""The Triton kernels against float64 (the second link of the chain: naive -> grid_sample -> triton).
+"""The Triton kernels against float64 (the second link of the chain: naive -> grid_sample -> triton), beyond the
+conformance suite (test_triton_conformance.py: every edge case in every dtype and mode): head dims, the
+accumulation paths against each other, the deterministic mode's own rules, launch layouts, the level table.
 
 On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is grid_sample in float64 on the
 same device, which msda-reference's test_reference_backends.py ties to the naive loops.
@@ -11,22 +13,11 @@ import msda_testkit as kit
 import pytest
 import torch
 import triton
-from helpers import BF16, CROWDED, F16, F32, REFERENCE, VARIANTS, _id, assert_triton_parity, wrong_level_table
+from helpers import BF16, CROWDED, F16, F32, REFERENCE, assert_triton_parity, wrong_level_table
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
-def _skip_unsupported(dtype, grad_accum):
-    if DEVICE == "cpu" and dtype == BF16 and grad_accum == "native":
-        pytest.skip("Triton's interpreter has no bf16 atomic add (covered on the GPU)")
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
-@pytest.mark.parametrize("case", kit.EDGE_CASES, ids=lambda c: c.name)
-def test_edge_cases_match_float64(case, variant):
-    dtype, loc_dtype, grad_accum = variant
-    _skip_unsupported(dtype, grad_accum)
-    assert_triton_parity(kit.make_inputs(case, dtype, loc_dtype, device=DEVICE), grad_accum)
 
 
 @pytest.mark.parametrize("head_dim", kit.GRADCHECK_HEAD_DIMS + (96,))
@@ -70,9 +61,9 @@ def test_auto_never_picks_the_interpreter():
     assert msda_core.resolve_backend(inputs["value"], inputs["sampling_locations"], "triton") == "triton"
 
 
-def test_opcheck():
-    """The public op with the Triton backend, and the private triton_ops it runs (their gradients come from the
-    public op's autograd: checked with inputs that need none)."""
+def test_opcheck_of_the_private_ops():
+    """The private triton_ops the backend runs (their gradients come from the public op's autograd: checked with
+    inputs that need none); the public ops are opchecked by the conformance suite."""
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
     # Triton's interpreter cannot be traced (wrap_triton hands back the kernel itself): on CPU the AOT-dispatch
     # check is left to the GPU suite, which runs every check
@@ -81,22 +72,12 @@ def test_opcheck():
     grad_output = kit.grad_output_for(inputs)
     torch.library.opcheck(torch.ops.msda._triton_backward.default, (grad_output, *inputs.values(), "auto", False),
                           **checks)
-    for k in ("value", "sampling_locations", "attention_weights"):
-        inputs[k].requires_grad_()
-    torch.library.opcheck(torch.ops.msda.deform_attn.default, tuple(inputs.values()), {"backend": "triton"}, **checks)
 
 
 def test_forward_is_deterministic():
     inputs = kit.make_inputs(kit.case("out_of_bounds"), F32, device=DEVICE)
     kit.assert_replays_bit_exact(lambda **inp: kit.run(inp, "triton")["output"], inputs, replays=5,
                                  contention=True)
-
-
-@pytest.mark.parametrize("dtypes", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32)],
-                         ids=lambda d: "-".join(str(t)[6:] for t in d))
-@pytest.mark.parametrize("case", kit.EDGE_CASES + (CROWDED,), ids=lambda c: c.name)
-def test_deterministic_mode_matches_float64(case, dtypes):
-    assert_triton_parity(kit.make_inputs(case, *dtypes, device=DEVICE), "auto", deterministic=True)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on NaN
