@@ -8,8 +8,9 @@ explicit call.
   msda-core, msda-reference, msda-testkit and msda-benchmarks (the tools) with no Triton (the
   reference-only install runs the quickstart; then the docstrings' examples, as doctests), then msda-triton, its
   kernels in Triton's CPU interpreter, and the verification's CPU slice.
-- compile_ptx: every Triton kernel variant compiled for sm_80 and sm_90 with no GPU, on the lowest Triton
-  msda-triton supports and on the newest.
+  Last, every Triton kernel variant compiled for sm_80 and sm_90 with no GPU on the newest Triton (the one
+  installed here).
+- compile_ptx: the same on the lowest Triton msda-triton supports.
 - gpu, verify, distributed: on a CUDA machine, offline, with that machine's torch and Triton (the full suite,
   the five-stage verification, DDP and FSDP2 on two GPUs with NCCL).
 - report, bench: every backend on every case (errors and times), and the timing tables (msda-benchmarks).
@@ -19,10 +20,16 @@ explicit call.
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here). The sessions
 run on the Python that runs nox: CI's is 3.11, the one version the packages claim (requires-python >=3.11).
+
+Disk: pip installs with no byte-compiling (Python compiles what is imported: most of torch never is) and no cache,
+and a session that passes removes its virtualenv, which nox would create afresh on the next run anyway: a fresh
+``nox`` leaves almost nothing under .nox/ (the integrations one alone holds 7 GB: torch 2.14.1 with its CUDA
+libraries). MSDA_KEEP_VENVS=1 keeps them, for ``nox -r`` (reuse) afterwards.
 """
 
 import glob
 import os
+import shutil
 import sys
 
 import nox
@@ -37,14 +44,26 @@ MYPY = "mypy==2.4.1"
 LOWEST_TRITON = "3.6.0"  # msda-triton's triton>=3.6: what the GPU machine runs with torch 2.11
 
 
+def install(session, *args, **kwargs):
+    """session.install with no .pyc written (Python compiles what is imported) and no pip cache (see the top)."""
+    session.install("--no-compile", "--no-cache-dir", *args, **kwargs)
+
+
+def release(session):
+    """The session passed: remove its virtualenv (nox makes a new one on its next run, unless reused; see the
+    top), unless MSDA_KEEP_VENVS=1."""
+    if os.environ.get("MSDA_KEEP_VENVS") != "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def install_ours(session, *packages):
     """Our packages without their dependencies (installed explicitly), built with no network."""
-    session.install("--no-build-isolation", "--no-deps", *[f"packages/{p}" for p in packages])
+    install(session, "--no-build-isolation", "--no-deps", *[f"packages/{p}" for p in packages])
 
 
 def build_wheels(session) -> dict:
     """package name -> the path of its wheel, built from the tree with no network."""
-    session.install("setuptools>=77")
+    install(session, "setuptools>=77")
     folder = os.path.join(session.create_tmp(), "wheels")
     for path in glob.glob(os.path.join(folder, "*.whl")):
         os.remove(path)
@@ -55,21 +74,23 @@ def build_wheels(session) -> dict:
 
 @nox.session
 def lint(session):
-    session.install("ruff==0.17.6")
+    install(session, "ruff==0.17.6")
     session.run("ruff", "check", ".")
     names = [os.path.basename(p) for d in TEST_DIRS for p in glob.glob(f"{d}/*.py")]
     shared = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
     if shared:  # one pytest run over every package (gpu) imports test modules by file name
         session.error(f"test files share a name across packages, which nox -s gpu cannot collect: {shared}")
+    release(session)
 
 
 @nox.session
 def packages(session):
     """Build every package's wheel and check the metadata the wheels carry: each range a package declares for a
     sibling (in its dependencies or extras) admits that sibling's version, and package data is inside."""
-    session.install("packaging")
+    install(session, "packaging")
     wheels = build_wheels(session)
     session.run("python", "ci/check_wheels.py", *wheels.values())
+    release(session)
 
 
 @nox.session
@@ -79,23 +100,23 @@ def cpu(session):
     # Inductor compiles in the calling process: on CI's 2 cores its pool of compile workers costs more than it
     # saves (msda-reference's tests with a cold cache: 111 against 94 s)
     session.env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    session.install(TORCH, "pytest-xdist")
+    install(session, TORCH, "pytest-xdist")
     # 1. msda-core with what its tests declare (the testkit, and so msda-reference): no Triton.
-    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-core']}[test]")
+    install(session, "--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-core']}[test]")
     # mypy (mypy.ini: msda-core and msda-reference) here, against the torch just installed: in lint it would cost
     # a second install of torch, about a minute of CI
-    session.install(MYPY)
+    install(session, MYPY)
     session.run("mypy")
     # torch warns on import that NumPy is absent: msda-core needs none, and installs none here, so that nothing of
     # it can import NumPy unnoticed
     session.run(*pytest, "-W", "ignore:Failed to initialize NumPy:UserWarning", "packages/msda-core/tests")
     # 2. The reference-only install (msda-core + msda-reference, no Triton) gives CPU inference; then the tests
     # of msda-reference, of the testkit and of the tools, with what they declare (onnxscript, onnxruntime).
-    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-reference']}[test]")
+    install(session, "--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-reference']}[test]")
     session.run("python", "-c", "import importlib.util as u, sys; "
                 "sys.exit('triton must be absent here' if u.find_spec('triton') else 0)")
     session.run("python", "examples/quickstart.py")
-    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-benchmarks']}[test]")
+    install(session, "--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-benchmarks']}[test]")
     session.run(*pytest, "packages/msda-reference/tests", "packages/msda-testkit/tests",
                 "packages/msda-benchmarks/tests")
     # The Examples in the public API's docstrings, run on the installed packages as a user would (CPU, no Triton;
@@ -103,18 +124,24 @@ def cpu(session):
     session.run("pytest", "-q", "--doctest-modules", "--pyargs", "msda_core", "msda_reference")
     # 3. msda-triton, its kernels in Triton's CPU interpreter, and the verification's CPU slice (stage 5 needs
     # a GPU; sequential replays: 3 suffice).
-    session.install("--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-triton']}[test,interpreter]")
+    install(session, "--find-links", os.path.dirname(wheels["msda-core"]), f"{wheels['msda-triton']}[test,interpreter]")
     session.run(*pytest, "packages/msda-triton/tests", env={"TRITON_INTERPRET": "1"})
     session.run("python", "-m", "msda_testkit.verify", "--device", "cpu", "--replays", "3",
                 env={"TRITON_INTERPRET": "1"})
+    # 4. Every kernel variant compiled for the GPUs on the newest Triton, the one installed here (compile_ptx: the
+    # lowest), which spares a virtualenv of its own
+    session.run("python", "-m", "msda_triton.compile_ptx")
+    release(session)
 
 
 @nox.session
-@nox.parametrize("triton", [LOWEST_TRITON, "newest"])
-def compile_ptx(session, triton):
-    session.install("triton" if triton == "newest" else f"triton=={triton}", "setuptools>=77")
+def compile_ptx(session):
+    """Every kernel variant compiled for sm_80 and sm_90 on the lowest Triton msda-triton supports (the cpu session
+    compiles them on the newest)."""
+    install(session, f"triton=={LOWEST_TRITON}", "setuptools>=77")
     install_ours(session, "msda-triton")
     session.run("python", "-m", "msda_triton.compile_ptx", *session.posargs)
+    release(session)
 
 
 def install_private(session) -> dict:
@@ -153,14 +180,14 @@ def distributed(session):
 
 @nox.session
 def report(session):
-    session.install(TORCH, "setuptools>=77", "tabulate", "triton")
+    install(session, TORCH, "setuptools>=77", "tabulate", "triton")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_benchmarks.report", *session.posargs)
 
 
 @nox.session
 def bench(session):
-    session.install(TORCH, "setuptools>=77", "tabulate", "triton", "matplotlib")
+    install(session, TORCH, "setuptools>=77", "tabulate", "triton", "matplotlib")
     install_ours(session, *PACKAGES)
     session.run("python", "-m", "msda_benchmarks.bench", *session.posargs)
     session.run("python", "-m", "msda_benchmarks.overhead", "--calls", "500")  # the host floor, from the same run
@@ -183,12 +210,13 @@ def integrations(session):
     """msda on real transformers, ultralytics and mmdet models and on the extension shims, float64 on the CPU
     (integrations/), then again on the older releases its tests also cover; its GPU test skips without CUDA."""
     pytest = ("pytest", "-q", "-rs", "-n", "2")
-    session.install("--no-compile", *INTEGRATIONS_TORCH)  # no .pyc for all of torch: Python compiles what is imported
-    session.install("--no-compile", *INTEGRATIONS_LIBRARIES, "pytest", "pytest-xdist", "tabulate", "setuptools>=77",
-                    "onnxscript", "onnxruntime")
+    install(session, *INTEGRATIONS_TORCH)
+    install(session, *INTEGRATIONS_LIBRARIES, "pytest", "pytest-xdist", "tabulate", "setuptools>=77", "onnxscript",
+            "onnxruntime")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
     session.run(*pytest, "integrations", *session.posargs)
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "mmcv-lite")
-    session.install("setuptools<80")
-    session.install("--no-compile", "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
+    install(session, "setuptools<80")
+    install(session, "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
     session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)
+    release(session)

@@ -45,7 +45,8 @@ def _levels(inputs):
 
 
 def _sample(corners, finite):
-    """(B, Q, M, P, D): the bilinear samples; NaN where a coordinate is not finite (docs/math.md, "Non-finite inputs")."""
+    """(B, Q, M, P, D): the bilinear samples; NaN where a coordinate is not finite (docs/math.md, "Non-finite
+    inputs")."""
     sample = sum(weight[..., None] * read for weight, _, _, read in corners)
     return torch.where(finite[..., None], sample, torch.nan)
 

@@ -7,7 +7,8 @@ it declares (``grad_accum`` "native" and "fp32" where it ``honors_grad_accum``, 
 - ``parity``: every edge case of ``msda_testkit.cases`` (and ``CROWDED``), output and three gradients, against
   float64 ``naive`` on the CPU, within the tolerance table; half values also with fp32 locations;
 - ``mixed``: half values with fp32 locations keep the locations' precision;
-- ``nonfinite``: docs/math.md's rules ("Non-finite inputs") for inf and NaN in weights, value and locations, as ``naive`` gives them;
+- ``nonfinite``: docs/math.md's rules ("Non-finite inputs") for inf and NaN in weights, value and locations, as
+  ``naive`` gives them;
 - ``knots``: Deformable DETR's initialisation on knots follows the compiled extension (``msda_testkit.knots``);
 - ``fuzz``: ``msda_testkit.fuzz``, hypothesis' fixed examples and a fresh seed;
 - ``opcheck``, ``opcheck_schema``, ``opcheck_aot``: ``torch.library.opcheck`` of both public ops with the backend;
