@@ -1,6 +1,7 @@
 """msda-testkit: what the tests import. The tolerance table, input generators, comparisons, cross-backend parity,
 bit-exact replays, mmcv's formulation (a published-formula reference), the kernel manifest check, the deployment
-helpers, and two checks run as commands (``python -m msda_testkit.verify``, ``msda_testkit.distributed``). The
+helpers, and three checks run as commands: the conformance suite every backend passes
+(``python -m msda_testkit.conformance``), ``python -m msda_testkit.verify`` and ``msda_testkit.distributed``. The
 timing tools are msda-benchmarks'."""
 
 from . import deploy
