@@ -1,6 +1,6 @@
 """The export entry points' own errors: an absent optional dependency names the extra that installs it, and a
-wrong form names the argument. (The graphs themselves are judged in msda-reference's test_onnx.py and
-test_deploy_cpu.py, where backends give the eager results.)"""
+wrong form names the argument. (The graphs themselves are judged in msda-reference's test_onnx.py and by the
+conformance suite's export checks, where backends give the eager results.)"""
 
 import sys
 

@@ -90,7 +90,7 @@ def test_gather_wrong_level_table_reads_and_writes_only_value(table):
 def test_gather_traces_whole():
     """Its forward and backward are tensor operations that read no values on the host: torch.compile
     (fullgraph) and torch.export trace them and give eager's results. Traced only (aot_eager): Inductor's code
-    for them is built and run by test_deploy_cpu."""
+    for them is built and run by the conformance suite's compile check and test_deploy_cpu."""
     inputs = kit.make_inputs(kit.case("nonfinite"), torch.float32)
     value, shapes, starts, loc, weights = (inputs[k] for k in kit.ARGUMENTS)
     grad_output = kit.grad_output_for(inputs)

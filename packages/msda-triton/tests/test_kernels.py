@@ -3,7 +3,7 @@ conformance suite (test_triton_conformance.py: every edge case in every dtype an
 accumulation paths against each other, the deterministic mode's own rules, launch layouts, the level table.
 
 On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is grid_sample in float64 on the
-same device, which msda-reference's test_reference_backends.py ties to the naive loops.
+same device, which the conformance suite ties to the naive loops.
 """
 
 import itertools

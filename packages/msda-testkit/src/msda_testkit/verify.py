@@ -11,8 +11,8 @@
 On a CPU (the slice ``nox -s cpu`` runs; Triton's kernels then run in its interpreter, where one check of a
 small case takes minutes) it keeps what no test covers and takes about a minute: the standard dims (M 8,
 D 32, L 4, P 4) on 2 queries of the small decoder in stages 1, 2 and 4; stage 3's own checks on an uneven
-shape of 27 rows; no catalog (test_kernels.py runs it in every dtype and accumulation path,
-test_reference_backends.py for the CPU backends); no stage 5. Each check prints as it finishes.
+shape of 27 rows; no catalog (the conformance suite runs it on every backend in every dtype and accumulation
+path); no stage 5. Each check prints as it finishes.
 """
 
 from __future__ import annotations
