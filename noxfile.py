@@ -67,6 +67,8 @@ def build_wheels(session) -> dict:
     folder = os.path.join(session.create_tmp(), "wheels")
     for path in glob.glob(os.path.join(folder, "*.whl")):
         os.remove(path)
+    for p in PACKAGES:  # setuptools adds what a previous build left in build/lib, files since removed included
+        shutil.rmtree(f"packages/{p}/build", ignore_errors=True)
     session.run("python", "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", folder,
                 *[f"packages/{p}" for p in PACKAGES])
     return {p: glob.glob(os.path.join(folder, p.replace("-", "_") + "-*.whl"))[0] for p in PACKAGES}
