@@ -1,5 +1,5 @@
-"""Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx and integrations; the rest need a GPU machine or an
-explicit call.
+"""Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx, integrations and deploy; the rest need a GPU machine
+or an explicit call.
 
 - lint: ruff on the whole tree (ruff.toml); no two packages' test files share a name.
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
@@ -17,6 +17,8 @@ explicit call.
 - integrations: msda_core.patch, the extension shims and the kernels layer on real transformers, ultralytics,
   rfdetr and mmdet models (torch 2.14.1 and torchvision), then on older releases: ultralytics 8.3, mmcv 1.7,
   transformers 5.22 with kernels.
+- deploy: every runtime users ship on, on the CPU, against the patched model's eager output (deploy/): onnxruntime,
+  OpenVINO, ExecuTorch, LiteRT, coremltools (conversion only off macOS), TensorRT's graphs checked statically.
 
 MSDA_TORCH overrides the torch requirement (default torch==2.13.0, the CPU build on local disk here). The sessions
 run on the Python that runs nox: CI's is 3.11, the one version the packages claim (requires-python >=3.11).
@@ -35,7 +37,7 @@ import sys
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx", "integrations"]
+nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx", "integrations", "deploy"]
 
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
 PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit", "msda-benchmarks")
@@ -221,4 +223,24 @@ def integrations(session):
     install(session, "setuptools<80")
     install(session, "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
     session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)
+    release(session)
+
+
+# The runtimes of the README's Deploy table, each the release its row was tested with. numpy 2.4 breaks coremltools
+# 9.0's conversion (coremltools#2633); ultralytics' CoreML export asks for numpy <= 2.3.5 too.
+DEPLOY_RUNTIMES = ("onnxruntime==1.31.1", "onnx==1.23.2", "onnxscript==0.7.2", "openvino==2026.4.1",
+                   "executorch==1.5.1", "coremltools==9.0", "litert-torch==0.10.0", "ai-edge-litert==2.3.0",
+                   "onnxsim==0.8.1", "numpy==2.3.5")
+
+
+@nox.session
+def deploy(session):
+    """Each runtime of the README's Deploy table on the CPU (deploy/): the op alone and tiny patched transformers
+    and ultralytics models, exported as users export them, each run against the patched model's eager output."""
+    install(session, *INTEGRATIONS_TORCH)
+    install(session, *DEPLOY_RUNTIMES, "transformers==5.24.0", "ultralytics==8.4.190", "pytest", "pytest-xdist",
+            "setuptools>=77")
+    install_ours(session, "msda-core", "msda-reference", "msda-testkit")
+    env = {"YOLO_OFFLINE": "1", "MSDA_DEPLOY_CACHE": os.path.join(session.create_tmp(), "exports")}
+    session.run("pytest", "-q", "-rs", "-n", "2", "-p", "no:cacheprovider", "deploy", *session.posargs, env=env)
     release(session)

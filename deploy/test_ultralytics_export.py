@@ -1,0 +1,63 @@
+"""ultralytics' own exporter, ``model.export(format="onnx")``, on RT-DETR-l built from its yaml (random weights, no
+download), patched with msda_core.patch: it calls torch.onnx.export(dynamo=False), whose msda symbolic emits the
+gather form, so the graph has no GridSample; onnxruntime and OpenVINO run it. Its other formats are the README's:
+"openvino" and "coreml" trace with TorchScript, which keeps msda::deform_attn as one node those converters do not
+know (test_openvino.py asserts it on the op alone), and "litert" lowers the op's CPU backend (test_litert.py);
+each takes 15 to 120 s on RT-DETR-l here, so CI asserts those failures on the op alone instead."""
+
+import os
+import time
+
+import msda_core
+import msda_testkit as kit
+import numpy as np
+import onnx
+import onnxruntime
+import openvino as ov
+import torch
+from harness import Row, check, version
+
+FP32 = kit.tolerance(torch.float32, "forward")
+IMAGE_SIZE = 160  # strides 8, 16, 32: levels of 20x20, 10x10, 5x5: 525 anchors for the decoder's top 300
+
+
+def test_patched_rtdetr_l_through_format_onnx(tmp_path, record):
+    from ultralytics import RTDETR
+
+    torch.manual_seed(0)
+    front_end = RTDETR("rtdetr-l.yaml")
+    assert msda_core.patch(front_end.model).patched
+    row = Row("onnxruntime", onnxruntime.__version__, "ultralytics rtdetr-l", 'export(format="onnx") (gather)',
+              "fp32", "none (ultralytics' default)")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # ultralytics writes beside the weights it names: here, the test's folder
+    try:
+        start = time.perf_counter()
+        path = str(tmp_path / front_end.export(format="onnx", imgsz=IMAGE_SIZE, device="cpu", verbose=False))
+        row.convert_s = time.perf_counter() - start
+    finally:
+        os.chdir(cwd)
+    model = onnx.load(path)
+    assert "GridSample" not in {n.op_type for n in model.graph.node}
+    image = torch.rand(1, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(1))
+    network = front_end.model.fuse().eval()  # as the exporter fuses each Conv with its BatchNorm
+    with torch.no_grad():
+        expected = network(image)[0]
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    check(row, in_row_order(session.run(None, {session.get_inputs()[0].name: image.numpy()})), in_row_order([expected]),
+          FP32, "onnxruntime")
+    record(row)
+    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    row = Row("OpenVINO", version("openvino"), "ultralytics rtdetr-l", 'export(format="onnx") (gather)', "fp32",
+              "none (ultralytics' default)", convert_s=row.convert_s)
+    check(row, in_row_order(list(compiled([image.numpy()]).values())), in_row_order([expected]), FP32, "OpenVINO")
+    record(row)
+
+
+def in_row_order(outputs) -> list:
+    """Each (1, 300, 4 + classes) output with its queries sorted by their box: the decoder's top-300 selection over
+    near-equal random-weight scores may order two queries differently after fp32 rounding in another runtime."""
+    out = torch.as_tensor(outputs[0])[0]
+    keys = [out[:, i] for i in reversed(range(4))]
+    order = torch.from_numpy(np.lexsort([k.numpy() for k in keys]))
+    return [out[order]]
