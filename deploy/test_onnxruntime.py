@@ -1,6 +1,6 @@
 """onnxruntime (CPU) runs both standard graph forms at opsets 16 to 20, with batch and queries dynamic (run at sizes
 the export did not see), in fp32 and as an fp16 graph whose attention computes in fp32; and the tiny transformers
-detectors, patched, exported with msda's table and with torch's exporters called as users call them."""
+detectors, patched, exported by torch's two exporters called as users call them (no msda argument)."""
 
 import msda_testkit as kit
 import numpy as np
