@@ -242,7 +242,5 @@ def deploy(session):
             "setuptools>=77")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
     env = {"YOLO_OFFLINE": "1", "MSDA_DEPLOY_CACHE": os.path.join(session.create_tmp(), "exports")}
-    # loadgroup: the tests that read one exported detector run on one worker, which exports it once
-    session.run("pytest", "-q", "-rs", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "deploy",
-                *session.posargs, env=env)
+    session.run("pytest", "-q", "-rs", "-n", "2", "-p", "no:cacheprovider", "deploy", *session.posargs, env=env)
     release(session)

@@ -8,6 +8,7 @@ testkit's tolerance entry named at the check (msda_testkit.tolerances gives the 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -170,21 +171,21 @@ class Timer:
 
 def cached(key: str, build, row: Row | None = None) -> bytes:
     """``build()``'s bytes, made once per key and kept on disk (CACHE) for every worker and later runs of the same
-    code (torch's, onnxscript's and msda's versions and sources are in the key). The time the build took is kept
-    beside it and added to ``row``'s conversion time."""
+    code (torch's, onnxscript's and msda's versions and sources are in the key): a worker that asks while another
+    builds waits for it instead of building too. The time the build took is kept beside it and added to ``row``'s
+    conversion time."""
     import onnxscript
 
     versions = f"{torch.__version__} {onnxscript.__version__} {_source_digest()}"
     path = CACHE / f"{hashlib.sha256(f'{key} {versions}'.encode()).hexdigest()[:24]}.bin"
     seconds = path.with_suffix(".seconds")
-    if not (path.exists() and seconds.exists()):
-        start = time.perf_counter()
-        data = build()
-        CACHE.mkdir(parents=True, exist_ok=True)
-        for target, content in ((path, data), (seconds, str(time.perf_counter() - start).encode())):
-            partial = target.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_bytes(content)
-            partial.replace(target)  # atomic: a worker reading it sees all of it or none
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (path.exists() and seconds.exists()):
+            start = time.perf_counter()
+            path.write_bytes(build())
+            seconds.write_text(str(time.perf_counter() - start))
     if row is not None:
         row.convert_s += float(seconds.read_text())
     return path.read_bytes()

@@ -112,7 +112,6 @@ def test_a_changed_constant_fails_the_check(form, old, new):
         check(row("op decoder", form), run(data, args), eager(Attention(DECODER.levels), args), FP32)
 
 
-@pytest.mark.xdist_group("deformable_detr_onnx")  # one worker exports it once
 @pytest.mark.parametrize("name, dynamo, batches", [
     ("deformable_detr", True, (1, 3)), ("deformable_detr", False, (1, 3)), ("rt_detr_v2", False, (1,)),
 ])

@@ -76,7 +76,6 @@ def test_this_release_has_no_msda_fusion():
     assert not found and VERSION.startswith("2026.4"), found
 
 
-@pytest.mark.xdist_group("deformable_detr_onnx")  # one worker exports it once
 def test_patched_deformable_detr_onnx(record):
     row = Row("OpenVINO", VERSION, "deformable_detr", "ONNX, torch.onnx.export", "fp32", "batch")
     data = detector_graph("deformable_detr", None, result=row)

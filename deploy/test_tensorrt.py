@@ -95,7 +95,6 @@ def test_the_checker_rejects_an_unlisted_operator_and_a_computed_axes():
     assert unsupported(model) == ["Pad: input 3 computed", "BitShift: not supported"]
 
 
-@pytest.mark.xdist_group("deformable_detr_onnx")  # one worker exports it once
 def test_patched_deformable_detr_gather_graph(record):
     row = Row("TensorRT", f"onnxsim {version('onnxsim')}", "deformable_detr", "torch.onnx.export (gather)", "fp32",
               "batch")
