@@ -104,6 +104,7 @@ def test_patched_deformable_detr_gather_graph(record):
     assert_only_the_known_gap(unsupported(model))
     with Timer(row):
         simplified(data)
+    row.worst = float("nan")  # its numbers: onnxruntime's and OpenVINO's rows of the same graph
     record(row)
 
 
