@@ -153,11 +153,11 @@ def _dtypes(backend) -> list:
 def _variants(backend, device: str) -> list:
     """(value dtype, location dtype, grad_accum, deterministic) for every mode the backend declares: each dtype
     with its own locations, and half values also with fp32 ones. grad_accum "auto" is "fp32" for half values and
-    "native" for fp32 (msda_testkit.parity.grad_value_effect), so a backend that honors grad_accum runs both named
-    paths instead."""
+    "native" for fp32 and fp64, where both name one path (msda_testkit.parity.grad_value_effect), so a backend that
+    honors grad_accum runs the named paths instead: both for half values, "native" for the others."""
     variants = []
-    accums = ("native", "fp32") if backend.honors_grad_accum else ("auto",)
     for dtype in _dtypes(backend):
+        accums = ("auto",) if not backend.honors_grad_accum else ("native", "fp32") if dtype in HALF else ("native",)
         for location_dtype in (dtype, F32) if dtype in HALF else (dtype,):
             variants += [(dtype, location_dtype, accum, False) for accum in accums]
             if backend.deterministic_on_request and device not in backend.reproducible_on:
