@@ -17,7 +17,20 @@ import onnxruntime
 import onnxsim
 import pytest
 import torch
-from harness import DECODER, OPSETS, Attention, Row, Timer, check, detector_graph, eager, op_graph, op_inputs, version
+from harness import (
+    DECODER,
+    OPSETS,
+    Attention,
+    Row,
+    Timer,
+    check,
+    detector_graph,
+    eager,
+    onnx_export,
+    op_graph,
+    op_inputs,
+    version,
+)
 from tensorrt_onnx_ops import CONSTANT_INPUTS, SUPPORTED
 from tensorrt_onnx_ops import OPSETS as TENSORRT_OPSETS
 
@@ -60,13 +73,6 @@ def unsupported(model: onnx.ModelProto) -> list:
     return problems
 
 
-def assert_only_the_known_gap(problems: list):
-    """The one gap today: torch.onnx's optimizer fuses the gather form's Max and Min on its int64 pixel indices (a
-    wrong level table still reads inside its image) into one Clip, whose listed types are float only. Every other
-    node passes. When the form avoids it, this fails and the README's TensorRT row changes."""
-    assert problems and set(problems) == {"Clip: input type INT64"}, problems
-
-
 def ort(model: onnx.ModelProto, args) -> list:
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
@@ -78,13 +84,27 @@ def test_gather_form_uses_only_what_onnx_tensorrt_supports(version_, record):
     data = op_graph(DECODER, "gather", version_)
     model = inferred(data)
     assert model.opset_import[0].version in TENSORRT_OPSETS
-    assert_only_the_known_gap(unsupported(model))
+    assert unsupported(model) == []
     with Timer(row):
         model = simplified(data)
     args = op_inputs(DECODER, 3, 45, seed=3)
     check(row, ort(model, args), eager(Attention(DECODER.levels), args), FP32)
     row.version = f"onnxsim {version('onnxsim')}"
     record(row)
+
+
+@pytest.mark.parametrize("version_", OPSETS)
+def test_torchscript_exporters_gather_form_uses_only_what_onnx_tensorrt_supports(version_):
+    """The same form from the TorchScript exporter's symbolic (``dynamo=False``), node for node the table's."""
+    args = op_inputs(DECODER, 2)
+    axes = ({0: "batch"}, {0: "batch", 1: "queries"}, {0: "batch", 1: "queries"})
+    data = onnx_export(Attention(DECODER.levels), args, None, version_, axes, dynamo=False)
+    model = inferred(data)
+    assert "Clip" not in {n.op_type for n in model.graph.node}
+    assert unsupported(model) == []
+    args = op_inputs(DECODER, 3, 45, seed=3)
+    check(Row("TensorRT", "static", "op decoder", "gather", "fp32", "batch, queries"), ort(model, args),
+          eager(Attention(DECODER.levels), args), FP32)
 
 
 def test_the_checker_rejects_an_unlisted_operator_and_a_computed_axes():
@@ -101,7 +121,7 @@ def test_patched_deformable_detr_gather_graph(record):
     data = detector_graph("deformable_detr", None, result=row)
     model = inferred(data)
     assert "GridSample" not in {n.op_type for n in model.graph.node}
-    assert_only_the_known_gap(unsupported(model))
+    assert unsupported(model) == []
     with Timer(row):
         simplified(data)
     row.worst = float("nan")  # its numbers: onnxruntime's and OpenVINO's rows of the same graph

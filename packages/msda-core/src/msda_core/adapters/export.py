@@ -10,7 +10,8 @@ ops (index_select, floor, where, mul, sum), which those converters know. The sam
 - each sample's pixel coordinates ``x = loc_x * W_l - 0.5``, ``y = loc_y * H_l - 0.5`` (align_corners=False) and its
   four corners, weighted ``(1 - fx)(1 - fy)``, ``fx (1 - fy)``, ``(1 - fx) fy``, ``fx fy`` times its attention weight;
 - ``value`` with one row of zeros appended to each image's pixels (row S), read as (B*(S+1)*M, D) rows; a corner
-  off its map, or a location that is not finite, reads that zero row, so no index leaves ``value`` and an inf or NaN
+  off its map, a location that is not finite, or a wrong level table's pixel outside the image, reads that zero
+  row, so no index leaves ``value`` and an inf or NaN
   pixel off the map changes nothing, while a non-finite location or weight still makes its output row NaN (the
   op's rule, README "Non-finite inputs");
 - sums in float32 (float64 for float64 inputs), the output cast once to value's dtype.
@@ -74,7 +75,10 @@ def deform_attn_gather(value: torch.Tensor, spatial_shapes: torch.Tensor, level_
             # > -1 and < W rather than >= 0 and <= W - 1: a NaN compares False either way, so it is off the map
             on_map = (cx > -1) & (cx < width) & (cy > -1) & (cy < height)
             col, row = (torch.where(on_map, c, 0).to(torch.int64) for c in (cx, cy))
-            pixel = torch.where(on_map, start + row * width + col, S).clamp(0, S)  # a wrong table: still this image
+            pixel = start + row * width + col
+            # a wrong level table can point past this image's rows: such a corner reads the zero row too (a Where
+            # on a comparison, not a clamp, which ONNX exporters turn into an int64 Clip that TensorRT lacks)
+            pixel = torch.where(on_map & (pixel >= 0) & (pixel < S), pixel, S)
             taps = rows.index_select(0, (pixel * M + first_row).reshape(-1)).view(*x.shape, D)
             w = weights * (fy if dy else 1 - fy) * (fx if dx else 1 - fx)
             term = (taps * w[..., None]).sum(3)  # (B, Q, M, D)

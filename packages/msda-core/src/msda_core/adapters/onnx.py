@@ -262,14 +262,18 @@ def _levels_and_points(graph, sampling_locations):
     return L, P
 
 
-def _level_tables(graph, spatial_shapes, level_start_index, dtype):
-    """(L, 2) sizes and (L,) starts in ``dtype``: the starts as given, else the exclusive cumulative sum of H * W."""
+def _level_tables(graph, spatial_shapes, level_start_index, levels, dtype):
+    """(L, 2) sizes and (L,) starts in ``dtype``: the starts as given, else each level's the sum of the sizes H * W
+    before it, as L - 1 Adds (TensorRT's CumSum takes float types only)."""
     op = graph.op
     shapes = _cast(graph, spatial_shapes, dtype)
     if level_start_index is not None:
         return shapes, _cast(graph, level_start_index, dtype)
     sizes = op.Mul(op.Gather(shapes, _scalar(graph, 0), axis=1), op.Gather(shapes, _scalar(graph, 1), axis=1))
-    return shapes, op.Sub(op.CumSum(sizes, _scalar(graph, 0)), sizes)
+    starts = [_convert(graph, _ints(graph, 0), INT64, dtype)]
+    for level in range(1, levels):
+        starts.append(op.Add(starts[-1], op.Gather(sizes, _ints(graph, level - 1), axis=0)))
+    return shapes, op.Concat(*starts, axis=0)
 
 
 def _compute_dtype(graph, value, sampling_locations):
@@ -287,7 +291,7 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
     locations, weights = (  # folded to rank 5 first (CoreML's limit), then cast
         _convert(graph, op.Reshape(x, op.Concat(batch_queries_heads, _ints(graph, *tail), axis=0)), graph.dtype(x),
                  dtype) for x, tail in ((sampling_locations, (LP, 2)), (attention_weights, (LP,))))
-    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, L, INT64)
     batch, pixels, heads, dim = (_dims(graph, value, axis) for axis in range(4))
     zeros = op.Expand(op.Cast(_scalar(graph, 0), to=dtype), op.Concat(batch, _ints(graph, 1), heads, dim, axis=0))
     rows = op.Reshape(op.Concat(value, zeros, axis=1),  # row S of each image: zeros (not Pad: the dynamo
@@ -317,8 +321,9 @@ def _gather_form(graph, value, spatial_shapes, level_start_index, sampling_locat
             on_map = op.And(op.And(op.Greater(cx, minus_one), op.Less(cx, width_f)),
                             op.And(op.Greater(cy, minus_one), op.Less(cy, height_f)))
             col, row = (op.Cast(op.Where(on_map, c, zero), to=INT64) for c in (cx, cy))
-            pixel = op.Where(on_map, op.Add(start, op.Add(op.Mul(row, width), col)), zero_row)
-            pixel = op.Min(op.Max(pixel, _scalar(graph, 0)), zero_row)  # a wrong table: still this image
+            pixel = op.Add(start, op.Add(op.Mul(row, width), col))
+            inside = op.And(on_map, op.And(op.GreaterOrEqual(pixel, _scalar(graph, 0)), op.Less(pixel, zero_row)))
+            pixel = op.Where(inside, pixel, zero_row)  # a wrong level table's pixel past the image: the zero row
             taps = op.Gather(rows, op.Add(op.Mul(pixel, heads), first_row), axis=0)  # (B, Q, M, L*P, D)
             w = op.Mul(op.Mul(weights, op.Sub(one, fy) if not dy else fy), op.Sub(one, fx) if not dx else fx)
             term = op.ReduceSum(op.Mul(taps, op.Unsqueeze(w, _ints(graph, -1))), _ints(graph, 3), keepdims=0)
@@ -335,7 +340,7 @@ def _grid_sample_form(graph, value, spatial_shapes, level_start_index, sampling_
         raise TypeError("value: the grid_sample form computes in float32 (GridSample below opset 20 takes float "
                         "only), got float64 inputs; export with form='gather' instead")
     value, locations, weights = (_cast(graph, x, FLOAT) for x in (value, sampling_locations, attention_weights))
-    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT64)
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, L, INT64)
     batch, heads, dim = (_dims(graph, value, axis) for axis in (0, 2, 3))
     queries, points = (_dims(graph, locations, axis) for axis in (1, 4))
     rows = op.Mul(batch, heads)  # grid_sample's batch: one (b, m) per image
@@ -389,7 +394,8 @@ def _tensorrt_form(graph, value, spatial_shapes, level_start_index, sampling_loc
     if dtype not in (FLOAT, FLOAT16):
         raise TypeError(f"value: TensorRT's MultiscaleDeformableAttnPlugin_TRT takes float32 or float16, got ONNX "
                         f"element type {dtype}; export with form='gather' (standard ops) instead")
-    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, INT32)
+    L, _ = _levels_and_points(graph, sampling_locations)
+    shapes, starts = _level_tables(graph, spatial_shapes, level_start_index, L, INT32)
     locations, weights = (_cast(graph, x, dtype) for x in (sampling_locations, attention_weights))
     out = graph.plugin(value, shapes, starts, locations, weights)
     return graph.op.Reshape(out, graph.op.Concat(_dims(graph, locations, 0, 1), _ints(graph, -1),
