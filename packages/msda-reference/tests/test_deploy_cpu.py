@@ -3,6 +3,7 @@ AOTInductor package run from C++ with no Python: the one AOTInductor build of a 
 decomposition table. (torch.compile and torch.export of the op with each backend: the conformance suite,
 test_reference_conformance.py.)"""
 
+import contextlib
 import re
 import runpy
 import sys
@@ -86,3 +87,37 @@ def test_decomposition_matches_the_reference_on_every_edge_case(dtype):
         assert got.dtype == dtype
         expected = kit.reference(inputs, backward=False)["output"]
         kit.assert_close(case.name, got, expected, kit.tolerance(dtype, "forward"))
+
+
+def test_portable_makes_every_tracer_record_plain_aten_ops():
+    """Under msda_core.export.portable(), torch.jit.trace (what openvino.convert_model(module) and coremltools
+    trace with) and torch.export record the gather arithmetic, no msda op, and compute like eager; outside it both
+    keep the op as one node (torch.export's is what AOTInductor compiles to the backend's kernels)."""
+    import msda_core
+
+    torch.manual_seed(0)
+    layer, args = kit.deploy.Layer(heads=2, head_dim=2).eval(), _args()
+
+    def traced_ops(block):
+        with block, torch.no_grad():
+            scripted = torch.jit.trace(layer, args, check_trace=False)
+            program = torch.export.export(layer, args)
+        return ({n.kind() for n in scripted.graph.nodes()} | {str(n.target) for n in program.graph.nodes}), \
+            (scripted, program.module())
+
+    kept, _ = traced_ops(contextlib.nullcontext())
+    assert {"msda::deform_attn", "msda.deform_attn.default"} <= kept
+    plain, modules = traced_ops(msda_core.export.portable())
+    assert not any("msda" in op for op in plain) and "aten::index_select" in plain
+    with torch.no_grad():
+        for module in modules:
+            kit.assert_close("output", module(*args), layer(*args), kit.tolerance(F32, "forward"))
+
+
+def test_portable_checks_the_inputs_as_the_op_does():
+    import msda_core
+
+    inputs = kit.make_inputs(kit.EDGE_CASES[0], F32)
+    inputs["attention_weights"] = inputs["attention_weights"][..., :1]
+    with pytest.raises(ValueError, match="^attention_weights"), msda_core.export.portable():
+        torch.ops.msda.deform_attn(**inputs)

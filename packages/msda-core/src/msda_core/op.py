@@ -20,7 +20,7 @@ is needed (an autograd.Function below a composite op is what torch's own Python 
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
 import torch
 
@@ -137,15 +137,10 @@ def _with_level_starts(inputs: registry.Inputs) -> registry.Inputs:
     return inputs._replace(level_start_index=sizes.cumsum(0) - sizes)
 
 
-def _exporting_to_onnx() -> bool:
-    """Whether torch's ONNX exporter is recording this call: then the op runs as the gather form in aten ops
-    (adapters.export), what the dynamo exporter translates when no table names the op, and the TorchScript exporter's
-    symbolic is registered (adapters.onnx). An eager call pays a dict lookup while torch.onnx was never imported."""
-    if "torch.onnx" not in sys.modules:
-        return False
-    from .adapters import onnx
-
-    return onnx.exporting()
+# What computes the op while an exporter records it, if anything: a function of no arguments that returns a
+# replacement for the backend (with the op's signature) or None. msda_core.adapters.export sets it when msda_core is
+# imported; the op core imports no adapter (imports run one way: adapters call the op).
+export_time_forward: Callable[[], Callable[..., torch.Tensor] | None] | None = None
 
 
 def _no_terms(inputs: registry.Inputs) -> bool:
@@ -180,10 +175,9 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
     chosen = _validate_and_resolve(inputs, backend, grad_accum, deterministic)
     if _no_terms(inputs):
         return _zeros_of(output_shape(value, sampling_locations), *differentiable)
-    if _exporting_to_onnx():
-        from .adapters.export import deform_attn_gather
-
-        return deform_attn_gather(*inputs)
+    replacement = export_time_forward() if export_time_forward is not None else None
+    if replacement is not None:
+        return replacement(*inputs)
     inputs = _with_level_starts(inputs)
     call = _BackendCall(chosen, grad_accum, deterministic)
     if needs_grad:

@@ -10,8 +10,9 @@
 - ``onnx``: the ONNX graph forms, for both of torch's exporters.
 - ``export``: the op as plain aten ops, for torch.export consumers (and the dynamo ONNX exporter without a table).
 
-Everything here calls ``torch.ops.msda.deform_attn``; the op core imports none of it, except while one of torch's
-ONNX exporters runs (op.py then records ``export``'s decomposition and registers ``onnx``'s symbolic). Users import
+Everything here calls ``torch.ops.msda.deform_attn``; the op core imports none of it. ``export`` sets the op's one
+hook, ``msda_core.op.export_time_forward``: while one of torch's ONNX exporters runs, the op computes as ``export``'s
+decomposition and ``onnx``'s symbolic is registered. Users import
 these as ``msda_core.compat``, ``msda_core.nn``, ``msda_core.hub``, ``msda_core.onnx`` and ``msda_core.export``
 (msda_core registers those names) and ``msda_core.patch``.
 """

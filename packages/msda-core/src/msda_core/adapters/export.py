@@ -23,7 +23,14 @@ they come in, which the first reshape folds to (B, Q, M, L*P, 2).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from .. import op
+from ..registry import Inputs
+from ..validation import check_inputs
+from . import onnx
 
 
 def deform_attn_gather(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor | None,
@@ -115,3 +122,61 @@ def decomposition_table() -> dict:
     table = torch.export.default_decompositions()
     table[torch.ops.msda.deform_attn.default] = deform_attn_gather
     return table
+
+
+def _while_exporting_to_onnx():
+    """The op's hook (``msda_core.op.export_time_forward``): :func:`deform_attn_gather` while one of torch's ONNX
+    exporters records the op (which also registers the TorchScript exporter's symbolic), else None. An eager call
+    pays a dict lookup while torch.onnx was never imported."""
+    return deform_attn_gather if onnx.exporting() else None
+
+
+op.export_time_forward = _while_exporting_to_onnx
+
+
+def portable() -> torch.overrides.TorchFunctionMode:
+    """A block in which every call of ``msda::deform_attn`` computes as :func:`deform_attn_gather`: for converters
+    that trace the model themselves and cannot convert msda's op, so that they record plain aten ops.
+
+    ``torch.jit.trace`` records the op as one ``msda::deform_attn`` node before any of msda's code runs, and
+    ``torch.export`` keeps it as one node (what AOTInductor compiles to the Triton kernels); converters built on
+    them (``openvino.convert_model(module)``, coremltools through ``torch.jit.trace``, ``litert_torch.convert``,
+    ultralytics' ``export(format="openvino" | "coreml" | "litert")``) then meet an op they do not know, or lower
+    the CPU backend's bit arithmetic. Inside this block the call is replaced where the model makes it (a
+    ``torch.overrides.TorchFunctionMode``), after the op's input checks, so every tracer records the gather
+    arithmetic. Eager calls inside compute the same numbers (the CPU default backend's arithmetic) with plain ops.
+    Not needed for ``torch.onnx.export`` (either exporter), nor for a program built with
+    :func:`decomposition_table`.
+
+    Returns:
+        A context manager (enter it with ``with``), one per call; it applies to the thread that enters it.
+
+    Raises:
+        Inside the block, what the op raises for bad inputs (TypeError, ValueError naming the argument).
+
+    Example:
+        >>> import torch, msda_core
+        >>> class Attention(torch.nn.Module):
+        ...     def forward(self, value, shapes, loc, weights):
+        ...         return torch.ops.msda.deform_attn(value, shapes, None, loc, weights)
+        >>> shapes = torch.tensor([[2, 3]])  # one level of 2 x 3 pixels
+        >>> args = (torch.randn(1, 6, 2, 4), shapes, torch.rand(1, 5, 2, 1, 3, 2), torch.rand(1, 5, 2, 1, 3))
+        >>> with msda_core.export.portable():
+        ...     traced = torch.jit.trace(Attention(), args)
+        >>> any(node.kind().startswith("msda::") for node in traced.graph.nodes())
+        False
+        >>> torch.allclose(traced(*args), Attention()(*args), atol=1e-6)
+        True
+    """
+    return _Portable()
+
+
+class _Portable(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.msda.deform_attn.default or func is torch.ops.msda.deform_attn:
+            with warnings.catch_warnings():  # the CPU level-table check reads values, which no graph records
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                check_inputs(Inputs(*args[:5], **{name: kwargs[name] for name in Inputs._fields[len(args):]}))
+            return deform_attn_gather(*args, **kwargs)
+        return func(*args, **kwargs)
