@@ -3,6 +3,7 @@ GridSample), and ai-edge-litert's interpreter runs the .tflite. Static shapes: l
 this program with batch and queries dynamic (asserted below)."""
 
 import litert_torch
+import msda_core
 import msda_testkit as kit
 import numpy as np
 import pytest
@@ -68,3 +69,14 @@ def test_without_msdas_table_the_conversion_fails():
     model, args = Attention(DECODER.levels), op_inputs(DECODER, 2)
     with pytest.raises(RuntimeError, match="Lowering not found: aten.bitwise_right_shift"):
         litert_torch.convert(model, args)
+
+
+def test_under_portable_the_model_itself_converts(record):
+    """The one call that makes ``litert_torch.convert(model)`` (ultralytics' format="litert") work: inside
+    msda_core.export.portable() torch.export records the gather arithmetic, with no table passed."""
+    row = Row("LiteRT", VERSION, "op decoder", "convert(model) in portable()", "fp32", "none (static)")
+    model, args = Attention(DECODER.levels), op_inputs(DECODER, 2, seed=5)
+    with Timer(row), msda_core.export.portable():
+        tflite = litert_torch.convert(model, args).model_content()
+    check(row, run(tflite, args), eager(model, args), FP32)
+    record(row)

@@ -1,10 +1,11 @@
 """OpenVINO's CPU plugin: both standard ONNX forms (the graphs onnxruntime runs), the detector's ONNX graph, and the
 torch.export route (``ov.convert_model`` of the program msda's decomposition table leaves), with batch and queries
 dynamic. OpenVINO's own TorchScript route (what ultralytics' format="openvino" calls) meets msda::deform_attn as an
-op it does not know (asserted)."""
+op it does not know (asserted), and converts under ``msda_core.export.portable()``."""
 
 from pathlib import Path
 
+import msda_core
 import msda_testkit as kit
 import openvino as ov
 import pytest
@@ -105,3 +106,14 @@ def test_torchscript_route_meets_the_op():
     model = Attention(DECODER.levels)
     with pytest.raises(Exception, match="msda::deform_a"):
         ov.convert_model(model, example_input=op_inputs(DECODER, 2))
+
+
+def test_torchscript_route_under_portable(record):
+    """The one call that makes ov.convert_model(module) work: inside msda_core.export.portable() the trace records
+    the gather arithmetic. TorchScript bakes the traced sizes in, so it runs at the traced shape."""
+    row = Row("OpenVINO", VERSION, "op decoder", "convert_model(module) in portable()", "fp32", "none (traced)")
+    model, args = Attention(DECODER.levels), op_inputs(DECODER, 2, 40, seed=4)
+    with Timer(row), msda_core.export.portable():
+        compiled = compile(ov.convert_model(model, example_input=args))
+    check(row, run(compiled, args), eager(model, args), FP32)
+    record(row)

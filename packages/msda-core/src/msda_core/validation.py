@@ -44,8 +44,9 @@ def _dims(names: str, sizes: tuple) -> str:
 
 def _values_readable(*tensors) -> bool:
     """CPU tensors that hold their values, outside tracing: reading them costs a few microseconds and no device
-    sync. A subclass that redefines ``__torch_dispatch__`` (fake and functional tensors) may hold none."""
-    return not torch.compiler.is_compiling() and all(
+    sync. A subclass that redefines ``__torch_dispatch__`` (fake and functional tensors) may hold none. Under
+    ``torch.jit.trace`` a read would be recorded in the graph (msda_core.export.portable's calls run there)."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and all(
         t.device.type == "cpu" and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
         for t in tensors if t is not None)
 

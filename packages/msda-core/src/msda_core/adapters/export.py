@@ -23,8 +23,6 @@ they come in, which the first reshape folds to (B, Q, M, L*P, 2).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .. import op
@@ -175,8 +173,6 @@ class _Portable(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.msda.deform_attn.default or func is torch.ops.msda.deform_attn:
-            with warnings.catch_warnings():  # the CPU level-table check reads values, which no graph records
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                check_inputs(Inputs(*args[:5], **{name: kwargs[name] for name in Inputs._fields[len(args):]}))
+            check_inputs(Inputs(*args[:5], **{name: kwargs[name] for name in Inputs._fields[len(args):]}))
             return deform_attn_gather(*args, **kwargs)
         return func(*args, **kwargs)
