@@ -30,7 +30,7 @@ PUBLIC_IMPORTS = [
     "from msda_core.hub import mapping, MultiScaleDeformableAttention, Repository",
     "from msda_core.onnx import translation_table",
     "import msda_core.onnx; msda_core.onnx.translation_table; msda_core.onnx.export_form",
-    "from msda_core.export import decomposition_table, deform_attn_gather",
+    "from msda_core.export import decomposition_table, deform_attn_gather, portable",
     "from msda_core import patch, unpatch, PatchReport, deform_attn, use_backend, resolve_backend",
 ]
 

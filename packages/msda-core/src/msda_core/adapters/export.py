@@ -3,9 +3,14 @@
     program = torch.export.export(model, args).run_decompositions(msda_core.export.decomposition_table())
 
 leaves no msda op in the program: each call becomes the gather backend's arithmetic written with the most common
-ops (index_select, floor, where, mul, sum), which those converters know. The same function is what
-``torch.onnx.export(model, args)`` (the dynamo exporter, no translation table) records, and what msda_core.onnx's
-``"gather"`` form builds from ONNX ops:
+ops (index_select, floor, where, mul, sum), which those converters know. For converters that trace the model
+themselves (``openvino.convert_model(module)``, coremltools on ``torch.jit.trace``, ``litert_torch.convert(model)``)
+
+    with msda_core.export.portable():
+        tool.convert(model, ...)
+
+makes them record the same arithmetic. It is also what ``torch.onnx.export(model, args)`` (the dynamo exporter, no
+translation table) records, and what msda_core.onnx's ``"gather"`` form builds from ONNX ops:
 
 - each sample's pixel coordinates ``x = loc_x * W_l - 0.5``, ``y = loc_y * H_l - 0.5`` (align_corners=False) and its
   four corners, weighted ``(1 - fx)(1 - fy)``, ``fx (1 - fy)``, ``(1 - fx) fy``, ``fx fy`` times its attention weight;
