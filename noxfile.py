@@ -1,5 +1,5 @@
-"""Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx, integrations and deploy; the rest need a GPU machine
-or an explicit call.
+"""Sessions. CI (.ci/run) runs lint, packages, cpu, compile_ptx and integrations (which runs deploy's tests too);
+the rest need a GPU machine or an explicit call.
 
 - lint: ruff on the whole tree (ruff.toml); no two packages' test files share a name.
 - packages: each package built as a wheel; every sibling range one declares admits the sibling's version.
@@ -16,7 +16,7 @@ or an explicit call.
 - report, bench: every backend on every case (errors and times), and the timing tables (msda-benchmarks).
 - integrations: msda_core.patch, the extension shims and the kernels layer on real transformers, ultralytics,
   rfdetr and mmdet models (torch 2.14.1 and torchvision), then on older releases: ultralytics 8.3, mmcv 1.7,
-  transformers 5.22 with kernels.
+  transformers 5.22 with kernels. Between the two, deploy's tests, in the same virtualenv.
 - deploy: every runtime users ship on, on the CPU, against the patched model's eager output (deploy/): onnxruntime,
   OpenVINO, ExecuTorch, LiteRT, coremltools (conversion only off macOS), TensorRT's graphs checked statically.
 
@@ -37,7 +37,7 @@ import sys
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx", "integrations", "deploy"]
+nox.options.sessions = ["lint", "packages", "cpu", "compile_ptx", "integrations"]
 
 TORCH = os.environ.get("MSDA_TORCH", "torch==2.13.0")
 PACKAGES = ("msda-core", "msda-reference", "msda-triton", "msda-testkit", "msda-benchmarks")
@@ -209,23 +209,6 @@ INTEGRATIONS_OLDER = ("ultralytics==8.3.253", "mmcv==1.7.2", "transformers==5.22
 INTEGRATIONS_OLDER_TESTS = ("test_ultralytics.py", "test_extension_shims.py", "test_kernels.py")
 
 
-@nox.session
-def integrations(session):
-    """msda on real transformers, ultralytics and mmdet models and on the extension shims, float64 on the CPU
-    (integrations/), then again on the older releases its tests also cover; its GPU test skips without CUDA."""
-    pytest = ("pytest", "-q", "-rs", "-n", "2")
-    install(session, *INTEGRATIONS_TORCH)
-    install(session, *INTEGRATIONS_LIBRARIES, "pytest", "pytest-xdist", "tabulate", "setuptools>=77", "onnxscript",
-            "onnxruntime")
-    install_ours(session, "msda-core", "msda-reference", "msda-testkit")
-    session.run(*pytest, "integrations", *session.posargs)
-    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "mmcv-lite")
-    install(session, "setuptools<80")
-    install(session, "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
-    session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)
-    release(session)
-
-
 # The runtimes of the README's Deploy table, each the release its row was tested with. numpy 2.4 breaks coremltools
 # 9.0's conversion (coremltools#2633); ultralytics' CoreML export asks for numpy <= 2.3.5 too.
 DEPLOY_RUNTIMES = ("onnxruntime==1.31.1", "onnx==1.23.2", "onnxscript==0.7.2", "openvino==2026.4.1",
@@ -233,14 +216,42 @@ DEPLOY_RUNTIMES = ("onnxruntime==1.31.1", "onnx==1.23.2", "onnxscript==0.7.2", "
                    "onnxsim==0.8.1", "numpy==2.3.5")
 
 
-@nox.session
-def deploy(session):
-    """Each runtime of the README's Deploy table on the CPU (deploy/): the op alone and tiny patched transformers
-    and ultralytics models, exported as users export them, each run against the patched model's eager output."""
+def install_libraries(session):
+    """torch 2.14.1, the libraries integrations/ and deploy/ run and the runtimes deploy/ exports to: one virtualenv
+    for both, since torch 2.14.1 with its CUDA libraries alone is 5.5 GB to install."""
     install(session, *INTEGRATIONS_TORCH)
-    install(session, *DEPLOY_RUNTIMES, "transformers==5.24.0", "ultralytics==8.4.190", "pytest", "pytest-xdist",
+    install(session, *INTEGRATIONS_LIBRARIES, *DEPLOY_RUNTIMES, "pytest", "pytest-xdist", "tabulate",
             "setuptools>=77")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
+
+
+def run_deploy(session, *args):
     env = {"YOLO_OFFLINE": "1", "MSDA_DEPLOY_CACHE": os.path.join(session.create_tmp(), "exports")}
-    session.run("pytest", "-q", "-rs", "-n", "2", "-p", "no:cacheprovider", "deploy", *session.posargs, env=env)
+    session.run("pytest", "-q", "-rs", "-n", "2", "-p", "no:cacheprovider", "deploy", *args, env=env)
+
+
+@nox.session
+def integrations(session):
+    """msda on real transformers, ultralytics and mmdet models and on the extension shims, float64 on the CPU
+    (integrations/); then every runtime of the Deploy table (deploy/, as the deploy session) in the same
+    virtualenv; then integrations/ again on the older releases its tests also cover. Its GPU test skips without
+    CUDA."""
+    pytest = ("pytest", "-q", "-rs", "-n", "2")
+    install_libraries(session)
+    session.run(*pytest, "integrations", *session.posargs)
+    run_deploy(session, *session.posargs)
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "mmcv-lite")
+    install(session, "setuptools<80")
+    install(session, "--no-build-isolation", *INTEGRATIONS_OLDER, env={"MMCV_WITH_OPS": "0"})
+    session.run(*pytest, *[f"integrations/{t}" for t in INTEGRATIONS_OLDER_TESTS], *session.posargs)
+    release(session)
+
+
+@nox.session
+def deploy(session):
+    """Each runtime of the README's Deploy table on the CPU (deploy/) alone: the op and tiny patched transformers
+    and ultralytics models, exported as users export them, each run against the patched model's eager output. CI
+    runs these inside the integrations session."""
+    install_libraries(session)
+    run_deploy(session, *session.posargs)
     release(session)

@@ -16,7 +16,13 @@ WAIVE = {
     "triton-cpu-compile-*": _UNTRACEABLE,
     "triton-cpu-export-*": _UNTRACEABLE,
 }
-BUDGET = conformance.Budget(fuzz_examples=100 if DEVICE == "cuda" else 40)
+# The interpreter runs each program in Python: there the other variants of a dtype (fp32 locations, the other
+# accumulation path, the deterministic mode) run the cases that reach each kernel's distinct code (bounds, head
+# dims, strides, many levels, non-finite values, crowded atomics); the GPU runs every case of every variant.
+OTHER_VARIANT_CASES = ("tiny", "out_of_bounds", "past_edges", "head_dim_71", "non_contiguous", "many_levels_points",
+                       "nonfinite", "crowded")
+BUDGET = (conformance.Budget(fuzz_examples=100) if DEVICE == "cuda" else
+          conformance.Budget(fuzz_examples=40, other_variant_cases=OTHER_VARIANT_CASES))
 CHECKS = conformance.plan("triton", budget=BUDGET, devices=(DEVICE,), waive=WAIVE) if DEVICE else []
 
 pytestmark = needs_kernels
