@@ -107,6 +107,26 @@ def test_torchscript_exporters_gather_form_uses_only_what_onnx_tensorrt_supports
           eager(Attention(DECODER.levels), args), FP32)
 
 
+class AttentionOfInputShapes(torch.nn.Module):
+    """The op with its level table a graph input and no level starts: the starts are computed in the graph."""
+
+    def forward(self, value, spatial_shapes, sampling_locations, attention_weights):
+        return torch.ops.msda.deform_attn(value, spatial_shapes, None, sampling_locations, attention_weights)
+
+
+@pytest.mark.parametrize("version_", (OPSETS[0], OPSETS[-1]))
+def test_default_exporters_gather_form_computes_level_starts_as_tensorrt_supports(version_):
+    """``torch.onnx.export(model, args)`` with no msda argument records msda_core.export's gather arithmetic; its
+    level starts, computed from a level table that is an input, must not become an int64 CumSum."""
+    value, locations, weights = op_inputs(DECODER, 2)
+    shapes = torch.tensor(DECODER.levels)
+    data = onnx_export(AttentionOfInputShapes(), (value, shapes, locations, weights), None, version_)
+    model = inferred(data)
+    assert unsupported(model) == []
+    check(Row("TensorRT", "static", "op decoder", "gather", "fp32", "none"), ort(model, (value, shapes, locations,
+          weights)), eager(Attention(DECODER.levels), (value, locations, weights)), FP32)
+
+
 def test_the_checker_rejects_an_unlisted_operator_and_a_computed_axes():
     """The check can fail: BitShift is not in the matrix, and Pad needs its axes constant."""
     pad = onnx.helper.make_node("Pad", ["x", "pads", "", "axes"], ["y"])

@@ -66,8 +66,14 @@ def deform_attn_gather(value: torch.Tensor, spatial_shapes: torch.Tensor, level_
     compute = torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), torch.float32)
     rows = torch.cat((value.to(compute), value.new_zeros((B, 1, M, D), dtype=compute)), 1).reshape(-1, D)  # row S: 0
     shapes = spatial_shapes.to(torch.int64)
-    sizes = shapes[:, 0] * shapes[:, 1]
-    starts = sizes.cumsum(0) - sizes if level_start_index is None else level_start_index.to(torch.int64)
+    if level_start_index is None:  # each level's start the sum of the sizes before it, as L - 1 adds: ONNX
+        sizes = shapes[:, 0] * shapes[:, 1]  # exporters turn cumsum into an int64 CumSum, which TensorRT lacks
+        starts_list = [sizes.new_zeros(1)]
+        for level in range(1, L):
+            starts_list.append(starts_list[-1] + sizes[level - 1 : level])
+        starts = torch.cat(starts_list)
+    else:
+        starts = level_start_index.to(torch.int64)
     # each of the L*P samples' level: H, W and start, (L*P,)
     height, width = (shapes[:, axis, None].expand(L, P).reshape(L * P) for axis in (0, 1))
     start = starts[:, None].expand(L, P).reshape(L * P)
