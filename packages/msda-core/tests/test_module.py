@@ -124,15 +124,20 @@ def test_argument_errors_name_the_argument_the_expectation_and_the_value():
         module(query, reference, flat, shapes, None, torch.zeros(2, S - 1, dtype=torch.bool))
 
 
+def _module_and_arguments():
+    """A loaded module and a valid call's arguments by name, for the tests that break one of them."""
+    query, reference, flat = _inputs(2)
+    return _loaded(checkpoint(C, L, M, P)), {
+        "query": query, "reference_points": reference, "input_flatten": flat,
+        "input_spatial_shapes": torch.tensor(SHAPES), "input_level_start_index": torch.tensor([0, 30]),
+        "input_padding_mask": torch.zeros(2, S, dtype=torch.bool)}
+
+
 @pytest.mark.parametrize("arg", ["query", "reference_points", "input_flatten", "input_level_start_index",
                                  "input_padding_mask"])
 def test_a_non_tensor_argument_is_named(arg):
     """A list where a tensor belongs gave 'list' object has no attribute 'dim' (or 'device')."""
-    module = _loaded(checkpoint(C, L, M, P))
-    query, reference, flat = _inputs(2)
-    args = {"query": query, "reference_points": reference, "input_flatten": flat,
-            "input_spatial_shapes": torch.tensor(SHAPES), "input_level_start_index": torch.tensor([0, 30]),
-            "input_padding_mask": torch.zeros(2, S, dtype=torch.bool)}
+    module, args = _module_and_arguments()
     args[arg] = [args[arg]]
     with pytest.raises(TypeError, match=f"^{arg}: expected a tensor, got list"):
         module(**args)
@@ -142,11 +147,7 @@ def test_a_non_tensor_argument_is_named(arg):
                                  "input_level_start_index", "input_padding_mask"])
 def test_an_argument_on_another_device_is_named(arg):
     """A meta level table gave torch's 'Tensor on device meta is not on the expected device cpu!'."""
-    module = _loaded(checkpoint(C, L, M, P))
-    query, reference, flat = _inputs(2)
-    args = {"query": query, "reference_points": reference, "input_flatten": flat,
-            "input_spatial_shapes": torch.tensor(SHAPES), "input_level_start_index": torch.tensor([0, 30]),
-            "input_padding_mask": torch.zeros(2, S, dtype=torch.bool)}
+    module, args = _module_and_arguments()
     args[arg] = args[arg].to("meta")
     with pytest.raises(ValueError, match=f"^{arg}: expected device cpu \\(the device of query\\), got meta"):
         module(**args)
