@@ -68,7 +68,7 @@ def deform_attn_gather(value: torch.Tensor, spatial_shapes: torch.Tensor, level_
     shapes = spatial_shapes.to(torch.int64)
     if level_start_index is None:  # each level's start the sum of the sizes before it, as L - 1 adds: ONNX
         sizes = shapes[:, 0] * shapes[:, 1]  # exporters turn cumsum into an int64 CumSum, which TensorRT lacks
-        starts_list = [sizes.new_zeros(1)]
+        starts_list = [sizes[:1] * 0]  # not new_zeros: coremltools' conversion of it loses the integer dtype
         for level in range(1, L):
             starts_list.append(starts_list[-1] + sizes[level - 1 : level])
         starts = torch.cat(starts_list)
