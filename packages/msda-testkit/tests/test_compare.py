@@ -33,3 +33,21 @@ def test_nan_must_meet_nan_and_inf_the_same_inf():
     assert kit.compare("x", torch.tensor([0.0, math.inf, 1.0]), e, TOL).n_bad == 1
     assert kit.compare("x", torch.tensor([math.nan, -math.inf, 1.0]), e, TOL).n_bad == 1
     assert kit.compare("x", torch.tensor([math.nan, math.inf, math.nan]), e, TOL).n_bad == 1
+
+
+def test_a_norm_wise_entry_judges_the_errors_norm_and_each_nonfinite_mismatch():
+    """An "accumulated" entry: one element far off (relative to itself) passes while the error's norm stays within
+    rtol of the reference's, a spread of errors past rtol in norm fails, and a NaN where a number was expected
+    fails whatever the norm."""
+    tol = kit.tolerance(torch.bfloat16, "accumulated")
+    x = torch.randn(10000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    one_off = x.clone()
+    one_off[0] += tol.rtol / 2 * x.norm()  # 50 rtol of the norm of one element of 10000 (about 50 rtol of itself)
+    assert kit.compare("x", one_off, x, tol).passed and (one_off[0] - x[0]).abs() > 10 * tol.rtol * x[0].abs()
+    spread = x * (1 + 2 * tol.rtol)
+    result = kit.compare("x", spread, x, tol)
+    assert not result.passed and math.isclose(result.norm_err, 2 * tol.rtol, rel_tol=1e-6)
+    assert "norm-wise err" in str(result)
+    nan = x.clone()
+    nan[3] = math.nan
+    assert kit.compare("x", nan, x, tol).n_bad == 1

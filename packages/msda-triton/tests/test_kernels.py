@@ -6,6 +6,7 @@ On CPU (TRITON_INTERPRET=1) the reference is the naive loops; on a GPU it is gri
 same device, which the conformance suite ties to the naive loops.
 """
 
+import dataclasses
 import itertools
 
 import msda_core
@@ -14,6 +15,7 @@ import pytest
 import torch
 import triton
 from helpers import BF16, CROWDED, F16, F32, REFERENCE, assert_triton_parity, wrong_level_table
+from msda_triton import backend
 from msda_triton.backend import BACKEND, accumulates_in_fp32, launch_forward
 from triton_env import DEVICE, needs_kernels
 
@@ -39,12 +41,46 @@ def test_accumulation_paths_agree(dtype):
     kit.assert_close("grad_value", native["grad_value"], fp32["grad_value"], kit.tolerance(dtype, "atomic"))
 
 
+def _shaped(dtype, device, queries, pixels, levels=4, points=4):
+    """Empty value and sampling_locations of these sizes: all the accumulation rule reads."""
+    value = torch.empty(1, pixels, 1, 2, dtype=dtype, device=device)
+    return value, torch.empty(1, queries, 1, levels, points, 2, dtype=dtype, device=device)
+
+
 def test_grad_accum_auto_rule():
-    """The accurate path is the default: half gradients accumulate in fp32 unless "native" is asked for."""
-    for half in (F16, BF16):
-        assert accumulates_in_fp32(half, "auto") and accumulates_in_fp32(half, "fp32")
-        assert not accumulates_in_fp32(half, "native")
-    assert not any(accumulates_in_fp32(F32, mode) for mode in ("auto", "native", "fp32"))
+    """"auto": native half adds while the shapes expect at most NATIVE_ADDS_UP_TO terms per element of
+    grad_value (4*Q*L*P/S per head), fp32 accumulation beyond; bf16 only where it has native atomics (sm_90+);
+    "fp32" and "native" as asked; fp32 gradients in fp32 whatever is asked."""
+    limit = backend.NATIVE_ADDS_UP_TO * 22223  # Deformable DETR's S
+    decoder, past, encoder = (_shaped(F16, "meta", q, 22223) for q in (300, limit // 16 + 1, 22223))
+    assert 4 * 300 * 16 <= limit < 4 * (limit // 16 + 1) * 16
+    assert not accumulates_in_fp32(F16, "auto", *decoder)
+    assert accumulates_in_fp32(F16, "auto", *past) and accumulates_in_fp32(F16, "auto", *encoder)
+    for shapes in (decoder, encoder):
+        assert accumulates_in_fp32(F16, "fp32", *shapes) and not accumulates_in_fp32(F16, "native", *shapes)
+        assert not any(accumulates_in_fp32(F32, mode, *shapes) for mode in ("auto", "native", "fp32"))
+    assert accumulates_in_fp32(BF16, "auto", *_shaped(BF16, "meta", 300, 22223))  # no device with bf16 atomics
+    if DEVICE == "cuda":
+        native_bf16 = torch.cuda.get_device_capability() >= (9, 0)
+        assert accumulates_in_fp32(BF16, "auto", *_shaped(BF16, DEVICE, 300, 22223)) != native_bf16
+
+
+# grad_value receives 0.8 terms per element from 3 queries on these 60 pixels (the rule takes native adds in
+# fp16, and in bf16 on sm_90), 16 from 60 queries, one per pixel (encoder-like: fp32 accumulation)
+_LEVELS = ((6, 8), (3, 4))
+SHAPE_CLASSES = (kit.Case("decoder_like", batch=2, queries=3, heads=2, head_dim=8, levels=_LEVELS),
+                 kit.Case("encoder_like", batch=2, queries=60, heads=2, head_dim=8, levels=_LEVELS))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("layout", ["random", "model_like"])
+@pytest.mark.parametrize("case", SHAPE_CLASSES, ids=lambda c: c.name)
+def test_default_accumulation_within_the_dtype_bound(case, layout, dtype):
+    """The default's grad_value against float64 within the "accumulated" entry (norm-wise, the dtype's unit
+    roundoff) on both sides of the rule, model-like and uniform locations (kit.assert_parity judges it so)."""
+    inputs = kit.make_inputs(dataclasses.replace(case, layout=layout), dtype, device=DEVICE)
+    assert kit.grad_value_effect("triton", inputs) == "accumulated"
+    assert_triton_parity(inputs, "auto")
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")

@@ -223,8 +223,10 @@ def deform_attn(value, spatial_shapes, level_start_index, sampling_locations, at
         backend: ``"auto"`` or a registered backend's name; ``"auto"`` defers to :func:`msda_core.use_backend`,
             then the ``MSDA_BACKEND`` environment variable, then the fastest backend that supports the inputs.
         grad_accum: how a backend that scatters ``grad_value`` with atomic adds (``triton``) sums float16 and
-            bfloat16 gradients: ``"auto"`` and ``"fp32"`` in a float32 buffer cast once at the end, ``"native"``
-            in the gradient's own dtype (each add rounds the running sum). Other backends ignore it.
+            bfloat16 gradients: ``"fp32"`` in a float32 buffer cast once at the end, ``"native"`` in the
+            gradient's own dtype (each add rounds the running sum), ``"auto"`` the backend's choice from the
+            shapes (``triton``: native where each element of grad_value expects at most one term, 4*Q*L*P <= S,
+            as on a decoder). Other backends ignore it.
         deterministic: True makes the backward give the same bits every run (only a backend that can is
             chosen; one named that cannot is refused before the forward); None follows
             ``torch.are_deterministic_algorithms_enabled()``; False lets atomic adds vary the last bits.

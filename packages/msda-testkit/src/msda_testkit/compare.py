@@ -19,6 +19,7 @@ class Comparison:
     n: int
     n_ignored: int  # elements the caller excluded (see compare's ``ignore``)
     tolerance: Tolerance
+    norm_err: float | None = None  # ||actual - expected||_2 / ||expected||_2, for a norm-wise tolerance
 
     @property
     def passed(self) -> bool:
@@ -28,6 +29,10 @@ class Comparison:
         verdict = "ok" if self.passed else f"FAILED: {self.n_bad} of {self.n} elements outside"
         if self.n_ignored:
             verdict += f" ({self.n_ignored} ignored)"
+        if self.norm_err is not None:
+            verdict = "ok" if self.passed else "FAILED: a non-finite mismatch or the norm over its bound"
+            return (f"{self.name}: norm-wise err {self.norm_err:.3g}, allowed {self.tolerance.rtol:.3g}; max abs err "
+                    f"{self.max_abs_err:.3g} ({self.max_rel_err:.3g} of scale) -> {verdict} [{self.tolerance.reason}]")
         return (f"{self.name}: max abs err {self.max_abs_err:.3g} ({self.max_rel_err:.3g} of scale), "
                 f"allowed {self.allowed_abs:.3g} + {self.tolerance.rtol:g}*|expected| -> {verdict} "
                 f"[{self.tolerance.reason}]")
@@ -61,7 +66,13 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
         bad, err = bad & ~ignore, torch.where(ignore, 0.0, err)
         n_ignored = int(ignore.sum())
     max_abs = err.max().item() if err.numel() else 0.0
-    return Comparison(name, max_abs, max_abs / scale, tol.atol * scale, int(bad.sum()), a.numel(), n_ignored, tol)
+    n_bad, norm_err = int(bad.sum()), None
+    if tol.norm_wise:  # non-finite mismatches count one by one, the finite elements' errors by their norm
+        mismatched = ~both_finite & ~same_special & (~ignore if ignore is not None else True)
+        norm_err = torch.linalg.vector_norm(err).item() / (
+            torch.linalg.vector_norm(torch.where(both_finite, e, 0.0)).item() or 1.0)
+        n_bad = int(mismatched.sum()) + int(norm_err > tol.rtol)
+    return Comparison(name, max_abs, max_abs / scale, tol.atol * scale, n_bad, a.numel(), n_ignored, tol, norm_err)
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> Comparison:

@@ -77,15 +77,15 @@ def max_contributions_per_element(inputs: dict) -> int:
 def grad_value_effect(backend: str, inputs: dict, grad_accum: str = "auto", deterministic: bool = False) -> str:
     """The tolerance entry that judges ``backend``'s grad_value on ``inputs``, from its declarations:
     "gradient" where its backward is reproducible on the device, or where it accumulated half values in
-    fp32 (grad_accum "fp32" or "auto", the op's default) and rounded once; "fixed_point" for its
-    deterministic mode; else "atomic"."""
+    fp32 (grad_accum "fp32") and rounded once; "accumulated" (norm-wise) for half values under its own
+    policy (grad_accum "auto", the op's default); "fixed_point" for its deterministic mode; else "atomic"."""
     declared = msda_core.backends()[backend]
     if inputs["value"].device.type in declared.reproducible_on:
         return "gradient"
     if deterministic and declared.deterministic_on_request:
         return "fixed_point"
     if declared.honors_grad_accum and grad_accum != "native" and inputs["value"].dtype != torch.float32:
-        return "gradient"
+        return "gradient" if grad_accum == "fp32" else "accumulated"
     return "atomic"
 
 
