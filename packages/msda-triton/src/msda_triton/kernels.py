@@ -34,9 +34,10 @@ def launch_config(D: int, backward: bool, value_fp32: bool = False, few_rows: bo
       each row, 2 points per step in fp32, 4 in fp16/bf16, so more loads are in flight per program;
     - backward with fp32 atomic adds: 16 rows on 4 warps; ``few_rows``: 4 rows on 1 warp (timed at D = 32; 2
       warps from D > 32, as the forward);
-    - backward with fp16/bf16 atomic adds (``half_atomics``): up to 128 rows, 2048 elements per program."""
+    - backward with fp16/bf16 atomic adds (``half_atomics``), many rows: up to 128 rows, 2048 elements per
+      program; few rows as the fp32 rule (the decoder's 9600 rows made 150 programs of 64)."""
     block_d = min(triton.next_power_of_2(D), 64)
-    if backward and half_atomics:
+    if backward and half_atomics and not few_rows:
         return {"BLOCK_R": max(16, min(128, 2048 // block_d)), "BLOCK_D": block_d}, 4
     if backward and few_rows:
         return {"BLOCK_R": 4, "BLOCK_D": block_d}, 1 if block_d <= 32 else 2
