@@ -7,9 +7,12 @@ rounds and each figure is the median over them, so that the host's speed, which 
 weighs on all alike. Each row also gives the forward's error against float64 (``grid_sample`` on the inputs
 upcast), over the largest |result|: a peer is a fair comparison only where that error is the dtype's rounding.
 
-Peers, each where it imports: deformops (its default selection, and its CUDA backend), and Deformable DETR's
+Peers, each where it imports: deformops (its default selection, and its CUDA backend), Deformable DETR's
 CUDA extension (the module ``MultiScaleDeformableAttention`` its ``models/ops`` builds; fp32 and fp64 only),
-called through an autograd Function of ours. A peer that refuses a dtype is left out of that dtype's rows.
+called through an autograd Function of ours, and the Triton port roulbac/msda-triton (its package
+``msda_triton`` shares our package's name, so it is imported as ``msda_triton_port``; fp32, fp16 and bf16).
+A peer that refuses a dtype is left out of that dtype's rows. The JSON's environment records where each
+peer that ran came from.
 """
 
 from __future__ import annotations
@@ -64,10 +67,20 @@ def _extension():
                                                                              locations, weights)
 
 
-# name -> (the distribution whose version is recorded, a loader returning a callable of the op's five tensors)
+def _triton_port():
+    # the op's five tensors in our order and layout: value (B, S, M, D), locations (B, Q, M, L, P, 2)
+    from msda_triton_port import multi_scale_deformable_attention
+    return multi_scale_deformable_attention
+
+
+# name -> (its origin: a distribution, whose version is recorded, or where the source built came from,
+#          recorded as it is; a loader returning a callable of the op's five tensors)
 PEERS = {"deformops": ("deformops", _deformops),
          "deformops CUDA": ("deformops", lambda: _deformops(backend="cuda")),
-         "CUDA ext": ("MultiScaleDeformableAttention", _extension)}
+         "CUDA ext": ("fundamentalvision/Deformable-DETR models/ops at 11169a60c33333af00a4849f1808023eba96a931, "
+                      "its calls of APIs torch removed updated", _extension),
+         "Triton port": ("roulbac/msda-triton src/msda_triton at 7fd08865816bbdcc861b995d121e58dc28409e9a",
+                         _triton_port)}
 
 
 def _installed_peers() -> dict:
@@ -84,11 +97,11 @@ def _relative_error(result, reference) -> float:
     return ((result.double() - reference).abs().max() / reference.abs().max()).item()
 
 
-def _version(distribution: str) -> str:
+def _origin(origin: str) -> str:
     try:
-        return version(distribution)
+        return version(origin)
     except PackageNotFoundError:
-        return "built from source"
+        return origin
 
 
 def main(argv=None) -> int:
@@ -147,7 +160,7 @@ def main(argv=None) -> int:
                              "max_abs_diff_from_msda": (results[name] - results["msda (triton)"]).abs().max().item()})
                 print(rows[-1], flush=True)
     env = environment(device)
-    env.update({name: _version(PEERS[name][0]) for name in peers if any(r["implementation"] == name for r in rows)})
+    env.update({name: _origin(PEERS[name][0]) for name in peers if any(r["implementation"] == name for r in rows)})
     print(json.dumps(env))
     print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".4g"))
     cli.write_results(args.json, env, rows)
