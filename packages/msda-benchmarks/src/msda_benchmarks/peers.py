@@ -78,7 +78,7 @@ def _triton_port():
 PEERS = {"deformops": ("deformops", _deformops),
          "deformops CUDA": ("deformops", lambda: _deformops(backend="cuda")),
          "CUDA ext": ("fundamentalvision/Deformable-DETR models/ops at 11169a60c33333af00a4849f1808023eba96a931, "
-                      "its calls of APIs torch removed updated", _extension),
+                      "patched to build on current torch", _extension),
          "Triton port": ("roulbac/msda-triton src/msda_triton at 7fd08865816bbdcc861b995d121e58dc28409e9a",
                          _triton_port)}
 
