@@ -39,9 +39,10 @@ if INTERPRETED:
 # 4*Q*L*P / S per head (each of a head's Q*L*P samples adds to 4 of its S pixels), else fp32 accumulation.
 # Each native add rounds the running sum, so an element of k terms errs by up to k roundings against one: at
 # about one term per element (the decoder) the error stays within the dtype's own rounding, norm-wise, and the
-# backward saves the fp32 buffer and its cast; the encoder (64 per element) would err 12x more. Measured on
-# the H200 (BENCHMARKS.md, "Accumulation paths"). Inputs that gather many samples onto a few pixels where the
-# shapes expect few (every query on one spot) round more: grad_accum="fp32" keeps one rounding whatever the data.
+# backward saves the fp32 buffer and its cast (decoder: 2.5x faster); the encoder (64 per element) would err 12x
+# more. Measured on an H100: 0.85 u at 0.86 terms per element, past u from 1.7 (BENCHMARKS.md, "Accumulation
+# paths"). Inputs that gather many samples onto a few pixels where the shapes expect few (every query on one
+# spot) round more: grad_accum="fp32" keeps one rounding whatever the data.
 NATIVE_ADDS_UP_TO = 1
 
 
