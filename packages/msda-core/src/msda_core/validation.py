@@ -42,27 +42,20 @@ def _dims(names: str, sizes: tuple) -> str:
     return f"({names}) = {tuple(sizes)}"
 
 
-def _values_readable(*tensors) -> bool:
-    """CPU tensors that hold their values, outside tracing: reading them costs a few microseconds and no device
-    sync. A subclass that redefines ``__torch_dispatch__`` (fake and functional tensors) may hold none. Under
-    ``torch.jit.trace`` a read would be recorded in the graph (msda_core.export.portable's calls run there)."""
-    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and all(
-        t.device.type == "cpu" and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
-        for t in tensors if t is not None)
+def _values_readable(device: torch.device, *tensors) -> bool:
+    """Tensors on ``device`` that hold their values in CPU memory, outside tracing: reading them costs a few
+    microseconds and no device sync. A subclass that redefines ``__torch_dispatch__`` (fake and functional tensors)
+    may hold none. Under ``torch.jit.trace`` a read would be recorded in the graph (msda_core.export.portable's
+    calls run there). The device is asked first: on CUDA that answers alone."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing() and all(
+        type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ for t in tensors if t is not None)
 
 
 def check_inputs(inputs: Inputs) -> None:
     """Raise ValueError/TypeError naming the first malformed argument, what was expected (and where each expected
-    size came from) and what it got. ``level_start_index`` may be None."""
+    size came from) and what it got. ``level_start_index`` may be None. Runs on every call: each check reads a
+    tensor's metadata once."""
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = inputs
-    tensors = {
-        "value": value,
-        "spatial_shapes": spatial_shapes,
-        "sampling_locations": sampling_locations,
-        "attention_weights": attention_weights,
-    }
-    if level_start_index is not None:
-        tensors["level_start_index"] = level_start_index
     if value.dim() != 4:
         raise _shape_error("value", "(B, S, M, D) with 4 dims", value)
     if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2:
@@ -73,35 +66,37 @@ def check_inputs(inputs: Inputs) -> None:
         raise _shape_error("spatial_shapes", "(L, 2) with L >= 1", spatial_shapes)
     if sampling_locations.dim() != 6:
         raise _shape_error("sampling_locations", "(B, Q, M, L, P, 2) with 6 dims", sampling_locations)
-    Q, P = sampling_locations.shape[1], sampling_locations.shape[4]
+    location_shape = sampling_locations.shape
+    Q, P = location_shape[1], location_shape[4]
     expected_loc = (B, Q, M, L, P, 2)
-    if tuple(sampling_locations.shape) != expected_loc:
+    if location_shape != expected_loc:
         raise _shape_error("sampling_locations", _dims("B, Q, M, L, P, 2", expected_loc), sampling_locations,
                            " (B, M from value.shape, L = spatial_shapes.shape[0], Q, P its own)")
-    expected_w = (B, Q, M, L, P)
-    if tuple(attention_weights.shape) != expected_w:
+    expected_w = expected_loc[:5]
+    if attention_weights.shape != expected_w:
         raise _shape_error("attention_weights", _dims("B, Q, M, L, P", expected_w), attention_weights,
                            " (B, M from value.shape, L = spatial_shapes.shape[0], Q, P from sampling_locations)")
-    if level_start_index is not None and tuple(level_start_index.shape) != (L,):
+    if level_start_index is not None and level_start_index.shape != (L,):
         raise _shape_error("level_start_index", _dims("L,", (L,)), level_start_index,
                            " (L = spatial_shapes.shape[0])")
 
-    for arg in ("value", "sampling_locations", "attention_weights"):
-        if tensors[arg].dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{arg}: expected a floating dtype in {FLOAT_DTYPES}, got {tensors[arg].dtype}")
-    for arg in ("spatial_shapes", "level_start_index"):
-        if arg in tensors and tensors[arg].dtype not in INDEX_DTYPES:
-            raise TypeError(f"{arg}: expected dtype torch.int64 or torch.int32, got {tensors[arg].dtype}")
-    mixed_ok = value.dtype in HALF_DTYPES and sampling_locations.dtype == torch.float32
-    if sampling_locations.dtype != value.dtype and not mixed_ok:
+    value_dtype, location_dtype = value.dtype, sampling_locations.dtype
+    for arg, dtype in (("value", value_dtype), ("sampling_locations", location_dtype),
+                       ("attention_weights", attention_weights.dtype)):
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{arg}: expected a floating dtype in {FLOAT_DTYPES}, got {dtype}")
+    for arg, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if t is not None and t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{arg}: expected dtype torch.int64 or torch.int32, got {t.dtype}")
+    if location_dtype != value_dtype and not (value_dtype in HALF_DTYPES and location_dtype == torch.float32):
         raise TypeError(
-            f"sampling_locations: expected the dtype of value ({value.dtype})"
-            + (" or torch.float32" if value.dtype in HALF_DTYPES else "")
-            + f", got {sampling_locations.dtype}"
+            f"sampling_locations: expected the dtype of value ({value_dtype})"
+            + (" or torch.float32" if value_dtype in HALF_DTYPES else "")
+            + f", got {location_dtype}"
         )
-    if attention_weights.dtype != sampling_locations.dtype:
+    if attention_weights.dtype != location_dtype:
         raise TypeError(
-            f"attention_weights: expected the dtype of sampling_locations ({sampling_locations.dtype}), "
+            f"attention_weights: expected the dtype of sampling_locations ({location_dtype}), "
             f"got {attention_weights.dtype}"
         )
 
@@ -109,10 +104,12 @@ def check_inputs(inputs: Inputs) -> None:
     if sampling_locations.device == attention_weights.device != device:
         raise ValueError(f"value: expected device {sampling_locations.device} (the device of sampling_locations and "
                          f"attention_weights), got {device}")
-    for arg, t in tensors.items():
-        check_device(arg, t, device)
+    for arg, t in (("spatial_shapes", spatial_shapes), ("sampling_locations", sampling_locations),
+                   ("attention_weights", attention_weights), ("level_start_index", level_start_index)):
+        if t is not None:
+            check_device(arg, t, device)
 
-    if _values_readable(spatial_shapes, level_start_index):
+    if _values_readable(device, spatial_shapes, level_start_index):
         check_level_values(S, spatial_shapes, level_start_index)
 
 
