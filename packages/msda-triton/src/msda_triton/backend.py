@@ -184,7 +184,7 @@ def _backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: to
     grad_weights = torch.empty_like(attention_weights)
     if not deterministic:
         launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights)
-        return grad_value.to(value.dtype), grad_locations, grad_weights
+        return grad_value.to(value.dtype) if fp32 else grad_value, grad_locations, grad_weights
     fraction, maxima = torch.zeros_like(grad_value), fixed_point_maxima(grad_output, *inputs)
     launch_backward(grad_output, *inputs, grad_value, grad_locations, grad_weights, (fraction, maxima))
     out = grad_value if value.dtype == torch.float32 else torch.empty_like(value)  # in place: no third buffer
