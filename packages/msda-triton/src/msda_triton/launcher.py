@@ -11,7 +11,6 @@ turns itself off).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,29 +55,26 @@ def key(kernel, pointers: tuple) -> tuple:
                                           for t in pointers))
 
 
-def _on_device(device: torch.device):
-    """Launch on the tensors' own device (cuda:1 works), on its current stream. The guard is entered only to
-    switch devices: entering one costs more host time than asking which device is current."""
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
 def launch(kernel, pointers: tuple, derive: Callable[[], Launch], compile_options: dict,
            replayable: bool = True) -> bool:
     """Launch ``kernel`` eagerly on ``pointers`` (its leading arguments) and say whether a plan ran it. Without
     a plan for their key, ``derive()`` gives the launch, which goes through the JIT and, if ``replayable`` (a
-    launch derived from the tensors' metadata alone, not a tuning config), leaves a plan."""
-    with _on_device(pointers[0].device):
-        plan = _plans.get(key(kernel, pointers)) if ENABLED and replayable else None
-        if plan is not None:
-            try:
-                plan.runner(*pointers, *plan.trailing)
-                return True
-            except TypeError:  # a launcher whose calling convention changed raises before launching
-                _stop()
-        grid, scalars, constexprs, num_warps = derive()
-        compiled = kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps, **compile_options)
+    launch derived from the tensors' metadata alone, not a tuning config), leaves a plan. It launches on the
+    tensors' own device (cuda:1 works), on its current stream; the device guard is entered only to switch devices:
+    entering one costs more host time than asking which device is current."""
+    device = pointers[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return launch(kernel, pointers, derive, compile_options, replayable)
+    plan = _plans.get(key(kernel, pointers)) if ENABLED and replayable else None
+    if plan is not None:
+        try:
+            plan.runner(*pointers, *plan.trailing)
+            return True
+        except TypeError:  # a launcher whose calling convention changed raises before launching
+            _stop()
+    grid, scalars, constexprs, num_warps = derive()
+    compiled = kernel[grid](*pointers, *scalars, **constexprs, num_warps=num_warps, **compile_options)
     if ENABLED and replayable and isinstance(compiled, CompiledKernel):  # the interpreter compiles nothing
         _remember(kernel, pointers, Launch(grid, scalars, constexprs, num_warps), compiled)
     return False
