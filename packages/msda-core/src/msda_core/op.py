@@ -170,7 +170,8 @@ def _deform_attn(value, spatial_shapes, level_start_index, sampling_locations, a
                  backend="auto", grad_accum="auto", deterministic=None):
     inputs = registry.Inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     differentiable = (value, sampling_locations, attention_weights)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    needs_grad = torch.is_grad_enabled() and (value.requires_grad or sampling_locations.requires_grad
+                                             or attention_weights.requires_grad)
     deterministic = needs_grad and _deterministic(deterministic)  # only the backward can be nondeterministic
     chosen = _validate_and_resolve(inputs, backend, grad_accum, deterministic)
     if _no_terms(inputs):
