@@ -2,8 +2,10 @@
 Q300 op called from Python.
 
 The launch replay on and off by turns (msda_triton.launcher.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
-and a torch.profiler breakdown of forward+grad, and torch.compile's figure beside eager's (BENCHMARKS.md, "The
-decoder call from Python")."""
+of forward+grad (its top functions, then its self time per call summed by package: cProfile sees the calling thread
+only, so ``run_backward`` holds the backward that autograd's device thread runs), a torch.profiler breakdown, and
+torch.compile's figure beside eager's (BENCHMARKS.md, "The decoder call from Python")."""
+import collections
 import cProfile
 import pstats
 import statistics
@@ -69,6 +71,20 @@ torch.cuda.synchronize()
 prof.disable()
 stats = pstats.Stats(prof, stream=sys.stdout)
 stats.sort_stats("tottime").print_stats(22)
+
+
+def package(file, name):
+    """Where a profiled function's self time goes: its package, or a C function's own name."""
+    if file == "~":
+        return name
+    return next((p for p in ("msda_core", "msda_triton", "triton", "torch") if f"/{p}/" in file), "other Python")
+
+
+per_call = collections.Counter()
+for (file, _, name), (_, _, self_time, _, _) in stats.stats.items():
+    per_call[package(file, name)] += self_time / 2000 * 1e3
+for where, ms in per_call.most_common(12):
+    print(f"{ms:.4f} ms per forward+grad  {where}")
 
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
     for _ in range(200):
