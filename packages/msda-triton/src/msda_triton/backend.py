@@ -142,9 +142,8 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
         blocks, num_warps = config or kernels.launch_config(
             sizes[4], backward=True, few_rows=statically_known_true(sizes[0] < kernels.FEW_ROWS),
             half_atomics=grad_value.dtype != torch.float32)
-        one_block = statically_known_true(sizes[4] <= blocks["BLOCK_D"])
         return Launch((triton.cdiv(sizes[0], blocks["BLOCK_R"]),), sizes,
-                      {**blocks, "FIXED_POINT": fixed_point is not None, "ONE_CHANNEL_BLOCK": one_block}, num_warps)
+                      {**blocks, "FIXED_POINT": fixed_point is not None}, num_warps)
 
     _launch(kernels.backward_kernel, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                                       grad_output, grad_value, fraction, grad_locations, grad_weights, *maxima),

@@ -1,7 +1,7 @@
 """``python -m msda_triton.compile_ptx``: compile every kernel variant for sm_80 and sm_90 with no GPU
 (the forward under each of launch_config's rules x int32/int64 offsets and the backward x
-native/fp32/fixed-point accumulation x its rules x one channel block or a loop over them, x fp32/fp16/bf16, and
-the deterministic mode's two helper kernels).
+native/fp32/fixed-point accumulation x its rules, x fp32/fp16/bf16, and the deterministic mode's two helper
+kernels).
 
 Fails on any compile error. Prints, for each backward variant, the atomic/reduction instructions its
 grad_value scatter lowered to (``atom.*`` and ``red.*``): printed, not asserted, since a future Triton may
@@ -56,10 +56,9 @@ def _variants():
             helpers = ("fraction_ptr", "weight_max_ptr", "grad_max_ptr", "mass_max_ptr")
             if fixed_point:
                 pointers |= {"fraction_ptr": "fp32", "weight_max_ptr": dtype, "grad_max_ptr": dtype}
-            for channels, one_block in {"": True, " channel-blocks": False}.items():  # D <= BLOCK_D, or a loop
-                yield (f"backward {dtype} {accum} {rule}{channels}", kernels.backward_kernel, pointers,
-                       blocks | {"FIXED_POINT": fixed_point, "ONE_CHANNEL_BLOCK": one_block}
-                       | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
+            yield (f"backward {dtype} {accum} {rule}", kernels.backward_kernel, pointers,
+                   blocks | {"FIXED_POINT": fixed_point}
+                   | ({} if fixed_point else dict.fromkeys(helpers)), num_warps)
         yield (f"anchor mass {dtype}", kernels.anchor_mass_kernel,
                {"loc_ptr": dtype, "weight_ptr": dtype, "weight_max_ptr": dtype}, *kernels.ANCHOR_MASS_LAUNCH)
         yield (f"fixed-point finish {dtype}", kernels.fixed_point_finish_kernel,

@@ -278,22 +278,15 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
                     grad_value_ptr, fraction_ptr, grad_loc_ptr, grad_weight_ptr, weight_max_ptr, grad_max_ptr,
                     mass_max_ptr,
                     n_rows, Q, S, M, D, L, P, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FIXED_POINT: tl.constexpr, ONE_CHANNEL_BLOCK: tl.constexpr):
+                    FIXED_POINT: tl.constexpr):
     """Program i handles the rows of _block_rows(i) (row-major) over all channels, so the three dot products
     <g, v_corner> complete inside it. grad_value is scattered with atomic adds in grad_value_ptr's dtype
     (the gradient's own dtype, or an fp32 scratch buffer: the caller's accumulation switch), or with
     FIXED_POINT as exact sums of integers, in grad_value_ptr and fraction_ptr (the deterministic mode; the
-    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr). ONE_CHANNEL_BLOCK (D <= BLOCK_D):
-    the rows' grad_output is loaded once, not at every (level, point), where the atomics between would keep
-    the compiler from reusing it."""
+    maxima behind its scales in weight_max_ptr, grad_max_ptr, mass_max_ptr)."""
     rows, row_ok = _block_rows(n_rows, Q, M, BLOCK_R, HEAD_MAJOR=False, WIDE=True)
     head_base = _head_start(rows, Q, S, M) * D
     pixel_stride = M * D
-    g_rows = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    if ONE_CHANNEL_BLOCK:
-        d = tl.arange(0, BLOCK_D)
-        g_rows = tl.load(grad_out_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & (d < D)[None, :],
-                         other=0.0).to(tl.float32)
     scale = 1.0
     ratio = 1.0
     if FIXED_POINT:
@@ -319,11 +312,8 @@ def backward_kernel(value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, grad
             for d0 in range(0, D, BLOCK_D):
                 d = d0 + tl.arange(0, BLOCK_D)
                 d_ok = d < D
-                if ONE_CHANNEL_BLOCK:
-                    g = g_rows
-                else:
-                    g = tl.load(grad_out_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                                other=0.0).to(tl.float32)
+                g = tl.load(grad_out_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                            other=0.0).to(tl.float32)
                 base = head_base[:, None] + d[None, :]
                 o00 = base + (p00 * pixel_stride)[:, None]
                 o01 = o00 + pixel_stride
