@@ -109,6 +109,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES), help="value dtypes")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
                         help="location distributions, as the bench's")
+    parser.add_argument("--cases", nargs="*", default=[c.name for c in GPU_CASES],
+                        choices=[c.name for c in GPU_CASES], help="the bench's cases to run (a lease too short for all "
+                        "can run them in parts)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns each implementation takes; each figure is their median")
     parser.add_argument("--json", default="peers.json", help="where the results and the environment are written "
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     rows = []
-    for case in (with_layout(c, layout) for c in GPU_CASES for layout in args.layouts):
+    cases = [c for c in GPU_CASES if c.name in args.cases]
+    for case in (with_layout(c, layout) for c in cases for layout in args.layouts):
         for dtype_name in args.dtypes:
             inputs = make_inputs(case, DTYPES[dtype_name], device=device)
             reference = torch.ops.msda.deform_attn(**{k: (v.double() if v.is_floating_point() else v)
