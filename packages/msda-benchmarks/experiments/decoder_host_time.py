@@ -1,7 +1,8 @@
 """``python experiments/decoder_host_time.py`` (from packages/msda-benchmarks) (GPU): host time of the decoder B4
 Q300 op called from Python.
 
-The launch replay on and off by turns (msda_triton.launcher.ENABLED, 6 rounds of 1000 calls, medians), a cProfile
+The launch replay on and off by turns (msda_triton.launcher.ENABLED, 6 rounds of 1000 calls, medians), msda beside
+each peer that ``python -m msda_benchmarks.peers`` finds installed (fp32, the same loops, taking turns), a cProfile
 of forward+grad (its top functions, then its self time per call summed by package: cProfile sees the calling thread
 only, so ``run_backward`` holds the backward that autograd's device thread runs), a torch.profiler breakdown, and
 torch.compile's figure beside eager's (BENCHMARKS.md, "The decoder call from Python")."""
@@ -15,6 +16,7 @@ from dataclasses import replace
 
 import msda_testkit as kit
 import torch
+from msda_benchmarks.peers import PEERS
 from msda_testkit.cases import STANDARD_CASES
 from msda_triton import launcher
 
@@ -63,6 +65,28 @@ for dtype in (torch.float32, torch.bfloat16):
               flush=True)
 
 fwd, both, leaves, diff, g = calls(torch.float32)
+timed = {"msda": (fwd, both)}
+for name, (_, load) in PEERS.items():  # the peers installed beside msda, as the peers tool finds them
+    try:
+        peer = load()
+    except ImportError:
+        continue
+
+    def peer_fwd(peer=peer):
+        return peer(*(leaves[k] for k in kit.ARGUMENTS)).reshape(g.shape)
+
+    def peer_both(peer_fwd=peer_fwd):
+        return torch.autograd.grad(peer_fwd(), diff, g)
+    timed[name] = (peer_fwd, peer_both)
+res = collections.defaultdict(list)
+for _ in range(6):  # taking turns, as the replay above
+    for name, (f, b) in timed.items():
+        res[(name, "fwd")].append(host_ms(f))
+        res[(name, "both")].append(host_ms(b))
+for name in timed:
+    print(f"fp32 {name:15s} fwd {statistics.median(res[(name, 'fwd')]):.4f} "
+          f"fwd+grad {statistics.median(res[(name, 'both')]):.4f} ms", flush=True)
+
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(2000):
