@@ -70,8 +70,8 @@ TOLERANCES = {
     (torch.float16, "accumulated"): Tolerance(2.0 ** -11, 0.0,
         "the default accumulation: one rounding of each element to fp16 errs by <= u = 2^-11 of it, so by <= u "
         "norm-wise; native adds, taken where the shapes expect about one term per element, round each running sum "
-        "again (H100, decoder B4 Q300: 0.85 u; past u from 1.7 terms per element: BENCHMARKS.md, 'Accumulation "
-        "paths'); beyond one term, fp32 accumulation",
+        "again (H100, the DETR levels with 300 queries: 0.85 u; past u from 1.7 terms per element: "
+        "BENCHMARKS.md, 'Accumulation paths'); beyond one term, fp32 accumulation",
         norm_wise=True),
     (torch.bfloat16, "accumulated"): Tolerance(2.0 ** -8, 0.0,
         "as the fp16 entry, bf16's u = 2^-8: the error of rounding each element of the result once, norm-wise",
