@@ -223,6 +223,10 @@ def install_libraries(session):
     install(session, *INTEGRATIONS_LIBRARIES, *DEPLOY_RUNTIMES, "pytest", "pytest-xdist", "tabulate",
             "setuptools>=77")
     install_ours(session, "msda-core", "msda-reference", "msda-testkit")
+    # yapf (mmengine imports it) caches its grammar tables in the user's cache folder at its first import after an
+    # install; two pytest workers importing it at once can read the other's half-written table (EOFError, seen
+    # once in CI). One import first writes them.
+    session.run("python", "-c", "import yapf")
 
 
 def run_deploy(session, *args):
