@@ -54,15 +54,17 @@ def test_grad_accum_auto_rule():
     limit = backend.NATIVE_ADDS_UP_TO * 22223  # Deformable DETR's S
     decoder, past, encoder = (_shaped(F16, "meta", q, 22223) for q in (300, limit // 16 + 1, 22223))
     assert 4 * 300 * 16 <= limit < 4 * (limit // 16 + 1) * 16
-    assert not accumulates_in_fp32(F16, "auto", *decoder)
-    assert accumulates_in_fp32(F16, "auto", *past) and accumulates_in_fp32(F16, "auto", *encoder)
+    assert not accumulates_in_fp32("auto", *decoder)
+    assert accumulates_in_fp32("auto", *past) and accumulates_in_fp32("auto", *encoder)
     for shapes in (decoder, encoder):
-        assert accumulates_in_fp32(F16, "fp32", *shapes) and not accumulates_in_fp32(F16, "native", *shapes)
-        assert not any(accumulates_in_fp32(F32, mode, *shapes) for mode in ("auto", "native", "fp32"))
-    assert accumulates_in_fp32(BF16, "auto", *_shaped(BF16, "meta", 300, 22223))  # no device with bf16 atomics
+        assert accumulates_in_fp32("fp32", *shapes) and not accumulates_in_fp32("native", *shapes)
+    for queries in (300, 22223):  # fp32 gradients, decoder and encoder
+        shapes = _shaped(F32, "meta", queries, 22223)
+        assert not any(accumulates_in_fp32(mode, *shapes) for mode in ("auto", "native", "fp32"))
+    assert accumulates_in_fp32("auto", *_shaped(BF16, "meta", 300, 22223))  # no device with bf16 atomics
     if DEVICE == "cuda":
         native_bf16 = torch.cuda.get_device_capability() >= (9, 0)
-        assert accumulates_in_fp32(BF16, "auto", *_shaped(BF16, DEVICE, 300, 22223)) != native_bf16
+        assert accumulates_in_fp32("auto", *_shaped(BF16, DEVICE, 300, 22223)) != native_bf16
 
 
 # grad_value receives 0.8 terms per element from 3 queries on these 60 pixels (the rule takes native adds in

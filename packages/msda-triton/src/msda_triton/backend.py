@@ -46,15 +46,15 @@ if INTERPRETED:
 NATIVE_ADDS_UP_TO = 1
 
 
-def accumulates_in_fp32(dtype: torch.dtype, grad_accum: str, value, sampling_locations) -> bool:
-    """The accumulation switch for grad_value, from shapes alone (no host sync): "fp32" scatters fp16/bf16
+def accumulates_in_fp32(grad_accum: str, value, sampling_locations) -> bool:
+    """The accumulation switch for value's grad_value, from shapes alone (no host sync): "fp32" scatters fp16/bf16
     gradients through an fp32 buffer cast once at the end; "native" adds in the gradient's own dtype; "auto"
     takes native adds where NATIVE_ADDS_UP_TO allows, and fp32 where sizes are symbolic (right for any size)
     or where bf16 has no native atomic add (before compute capability 9.0 it is a compare-and-swap loop;
     Triton's interpreter has none). fp32 gradients are fp32 either way."""
-    if dtype == torch.float32 or grad_accum == "native":
+    if value.dtype == torch.float32 or grad_accum == "native":
         return False
-    if grad_accum == "fp32" or (dtype == torch.bfloat16 and (
+    if grad_accum == "fp32" or (value.dtype == torch.bfloat16 and (
             INTERPRETED or value.device.type != "cuda" or _capability(value.device) < (9, 0))):
         return True
     Q, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
@@ -177,7 +177,7 @@ def _backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: to
     grad_output, *inputs = (t.contiguous() for t in (grad_output, value, spatial_shapes, level_start_index,
                                                      sampling_locations, attention_weights))
     value, sampling_locations, attention_weights = inputs[0], inputs[3], inputs[4]
-    fp32 = deterministic or accumulates_in_fp32(value.dtype, grad_accum, value, sampling_locations)
+    fp32 = deterministic or accumulates_in_fp32(grad_accum, value, sampling_locations)
     grad_value = torch.zeros(value.shape, dtype=torch.float32 if fp32 else value.dtype, device=value.device)
     grad_locations = torch.empty_like(sampling_locations)
     grad_weights = torch.empty_like(attention_weights)
