@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import msda_testkit as kit
 import torch
-from msda_benchmarks.peers import PEERS
+from msda_benchmarks.peers import installed_peers
 from msda_testkit.cases import STANDARD_CASES
 from msda_triton import launcher
 
@@ -66,12 +66,7 @@ for dtype in (torch.float32, torch.bfloat16):
 
 fwd, both, leaves, diff, g = calls(torch.float32)
 timed = {"msda": (fwd, both)}
-for name, (_, load) in PEERS.items():  # the peers installed beside msda, as the peers tool finds them
-    try:
-        peer = load()
-    except ImportError:
-        continue
-
+for name, peer in installed_peers().items():
     def peer_fwd(peer=peer):
         return peer(*(leaves[k] for k in kit.ARGUMENTS)).reshape(g.shape)
 

@@ -83,7 +83,8 @@ PEERS = {"deformops": ("deformops", _deformops),
                          _triton_port)}
 
 
-def _installed_peers() -> dict:
+def installed_peers() -> dict:
+    """name -> a callable of the op's five tensors, for each peer of PEERS that imports."""
     found = {}
     for name, (_, load) in PEERS.items():
         try:
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the peers run on a CUDA GPU; none is available")
         return 2
-    peers = _installed_peers()
+    peers = installed_peers()
     if not peers:
         print("no peer is installed: " + ", ".join(PEERS))
         return 2
