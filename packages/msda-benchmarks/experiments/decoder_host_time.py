@@ -5,9 +5,8 @@ Sections, all unless some are named on the command line: ``replay``, the launch 
 (msda_triton.launcher.ENABLED, 6 rounds of 1000 calls, medians); ``layers``, the op with its layers peeled off
 one at a time beside each peer that ``python -m msda_benchmarks.peers`` finds installed (fp32, the same loops,
 taking turns), also with the backward on the calling thread, and where a bare Function's call spends its time;
-``profile``, a cProfile
-of forward+grad (its top functions, then its self time per call summed by package: cProfile sees the calling thread
-only, so ``run_backward`` holds the backward that autograd's device thread runs) and a torch.profiler breakdown;
+``profile``, a cProfile of forward+grad (its top functions, then its self time per call summed by package; from
+Python 3.12 cProfile also sees the backward that autograd's device thread runs) and a torch.profiler breakdown;
 ``compile``, torch.compile's figure beside eager's (BENCHMARKS.md, "The decoder call from Python")."""
 import collections
 import cProfile
@@ -104,6 +103,13 @@ def one_thread(fn):
     return call
 
 
+def package(file, name):
+    """Where a profiled function's self time goes: its package, or a C function's own name."""
+    if file == "~":
+        return name
+    return next((p for p in ("msda_core", "msda_triton", "triton", "torch") if f"/{p}/" in file), "other Python")
+
+
 def with_grad(forward):
     return forward, lambda: torch.autograd.grad(forward(), diff, g)
 
@@ -163,14 +169,6 @@ if "profile" in SECTIONS:
     prof.disable()
     stats = pstats.Stats(prof, stream=sys.stdout)
     stats.sort_stats("tottime").print_stats(22)
-
-
-    def package(file, name):
-        """Where a profiled function's self time goes: its package, or a C function's own name."""
-        if file == "~":
-            return name
-        return next((p for p in ("msda_core", "msda_triton", "triton", "torch") if f"/{p}/" in file), "other Python")
-
 
     per_call = collections.Counter()
     for (file, _, name), (_, _, self_time, _, _) in stats.stats.items():
