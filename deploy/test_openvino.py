@@ -18,6 +18,7 @@ from harness import (
     Row,
     Timer,
     check,
+    compile_openvino,
     decomposed,
     detector,
     detector_graph,
@@ -32,13 +33,6 @@ from harness import (
 FP32 = kit.tolerance(torch.float32, "forward")
 VERSION = version("openvino")
 FUSION = "MultiScaleDeformableAttnFusion"  # the pass of openvino PR #31191 (open, not in a release yet)
-
-
-def compile(model):
-    """For the CPU in fp32: on a CPU with bf16 arithmetic the plugin's default precision is bf16, which put the
-    tiny Deformable DETR's output 1.4% of its scale off (the convolutions and matmuls; the op's graph alone
-    stays fp32)."""
-    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
 def run(compiled, args) -> list:
@@ -57,7 +51,7 @@ def test_op_onnx(shape, form, record):
     row = Row("OpenVINO", VERSION, f"op {shape.name}", f"ONNX {form}", "fp32", "batch, queries")
     data = op_graph(shape, form, row=row)
     with Timer(row):
-        compiled = compile(ov.Core().read_model(data, b""))
+        compiled = compile_openvino(ov.Core().read_model(data, b""))
     assert ("GridSample" in layer_types(compiled)) == (form == "grid_sample")
     model = Attention(shape.levels)
     for batch, queries in ((1, 7), (3, 45)):
@@ -81,7 +75,7 @@ def test_patched_deformable_detr_onnx(record):
     row = Row("OpenVINO", VERSION, "deformable_detr", "ONNX, torch.onnx.export", "fp32", "batch")
     data = detector_graph("deformable_detr", None, result=row)
     with Timer(row):
-        compiled = compile(ov.Core().read_model(data, b""))
+        compiled = compile_openvino(ov.Core().read_model(data, b""))
     model = detector("deformable_detr")
     for batch in (1, 3):
         args = (images(batch, seed=batch),)
@@ -93,7 +87,8 @@ def test_op_through_torch_export(record):
     row = Row("OpenVINO", VERSION, "op decoder", "aten (decomposition_table)", "fp32", "batch, queries")
     model = Attention(DECODER.levels)
     with Timer(row):
-        compiled = compile(ov.convert_model(decomposed(model, op_inputs(DECODER, 2, 40), small_dynamic_shapes())))
+        program = decomposed(model, op_inputs(DECODER, 2, 40), small_dynamic_shapes())
+        compiled = compile_openvino(ov.convert_model(program))
     for batch, queries in ((1, 7), (3, 45)):
         args = op_inputs(DECODER, batch, queries, seed=batch)
         check(row, run(compiled, args), eager(model, args), FP32, f"B{batch} Q{queries}")
@@ -114,6 +109,6 @@ def test_torchscript_route_under_portable(record):
     row = Row("OpenVINO", VERSION, "op decoder", "convert_model(module) in portable()", "fp32", "none (traced)")
     model, args = Attention(DECODER.levels), op_inputs(DECODER, 2, 40, seed=4)
     with Timer(row), msda_core.export.portable():
-        compiled = compile(ov.convert_model(model, example_input=args))
+        compiled = compile_openvino(ov.convert_model(model, example_input=args))
     check(row, run(compiled, args), eager(model, args), FP32)
     record(row)

@@ -15,9 +15,8 @@ import msda_testkit as kit
 import numpy as np
 import onnx
 import onnxruntime
-import openvino as ov
 import torch
-from harness import Row, check, version
+from harness import Row, check, compile_openvino, version
 
 FP32 = kit.tolerance(torch.float32, "forward")
 IMAGE_SIZE = 160  # strides 8, 16, 32: levels of 20x20, 10x10, 5x5: 525 anchors for the decoder's top 300
@@ -52,10 +51,6 @@ def image_and_expected(front_end):
         return image, network(image)[0]
 
 
-def compile(model):
-    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-
-
 def test_patched_rtdetr_l_through_format_onnx(tmp_path, record):
     front_end = patched_rtdetr_l()
     row = Row("onnxruntime", onnxruntime.__version__, "ultralytics rtdetr-l", 'export(format="onnx") (gather)',
@@ -70,7 +65,8 @@ def test_patched_rtdetr_l_through_format_onnx(tmp_path, record):
     record(row)
     row = Row("OpenVINO", version("openvino"), "ultralytics rtdetr-l", 'export(format="onnx") (gather)', "fp32",
               "none (ultralytics' default)", convert_s=row.convert_s)
-    check(row, in_row_order(list(compile(path)([image.numpy()]).values())), in_row_order([expected]), FP32, "OpenVINO")
+    outputs = compile_openvino(path)([image.numpy()]).values()
+    check(row, in_row_order(list(outputs)), in_row_order([expected]), FP32, "OpenVINO")
     record(row)
 
 
@@ -82,7 +78,8 @@ def test_patched_rtdetr_l_through_format_openvino_under_portable(tmp_path, recor
         folder = export(front_end, tmp_path, row, "openvino")
     (xml,) = Path(folder).glob("*.xml")
     image, expected = image_and_expected(front_end)
-    check(row, in_row_order(list(compile(str(xml))([image.numpy()]).values())), in_row_order([expected]), FP32)
+    outputs = compile_openvino(str(xml))([image.numpy()]).values()
+    check(row, in_row_order(list(outputs)), in_row_order([expected]), FP32)
     record(row)
 
 
