@@ -7,9 +7,7 @@ from dataclasses import replace
 
 import msda_testkit as kit
 import torch
-from msda_testkit.cases import STANDARD_CASES
-
-GPU_CASES = tuple(replace(c, loc_range=(-0.1, 1.1)) for c in STANDARD_CASES)  # the bench's cases
+from msda_benchmarks.bench import GPU_CASES
 
 rows = []
 for case in GPU_CASES[:2]:

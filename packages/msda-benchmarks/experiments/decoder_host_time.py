@@ -15,18 +15,15 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import replace
 
 import msda_testkit as kit
 import torch
+from msda_benchmarks.bench import GPU_CASES
 from msda_benchmarks.peers import installed_peers
 from msda_core import op as core_op
 from msda_core import registry
-from msda_testkit.cases import STANDARD_CASES
 from msda_triton import backend as triton_backend
 from msda_triton import launcher
-
-GPU_CASES = tuple(replace(c, loc_range=(-0.1, 1.1)) for c in STANDARD_CASES)  # the bench's cases
 
 N = 1000
 SECTIONS = set(sys.argv[1:]) or {"replay", "layers", "profile", "compile"}  # which parts run
