@@ -59,16 +59,16 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolera
     finfo = torch.finfo(actual.dtype) if actual.is_floating_point() else None
     underflow = finfo.smallest_normal * finfo.eps if finfo else 0.0
     allowed = tol.atol * scale + tol.rtol * e.abs() + underflow
-    bad = (both_finite & (err > allowed)) | (~both_finite & ~same_special)
+    mismatched = ~both_finite & ~same_special  # a NaN or an infinity the other side does not share
+    bad = (both_finite & (err > allowed)) | mismatched
     n_ignored = 0
     if ignore is not None:
         ignore = ignore.to("cpu").expand_as(bad)
-        bad, err = bad & ~ignore, torch.where(ignore, 0.0, err)
+        bad, mismatched, err = bad & ~ignore, mismatched & ~ignore, torch.where(ignore, 0.0, err)
         n_ignored = int(ignore.sum())
     max_abs = err.max().item() if err.numel() else 0.0
     n_bad, norm_err = int(bad.sum()), None
     if tol.norm_wise:  # non-finite mismatches count one by one, the finite elements' errors by their norm
-        mismatched = ~both_finite & ~same_special & (~ignore if ignore is not None else True)
         norm_err = torch.linalg.vector_norm(err).item() / (
             torch.linalg.vector_norm(torch.where(both_finite, e, 0.0)).item() or 1.0)
         n_bad = int(mismatched.sum()) + int(norm_err > tol.rtol)
